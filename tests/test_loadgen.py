@@ -1,0 +1,260 @@
+"""The load generator over real HTTP against a fake OpenAI-compatible streaming server.
+
+The fake server answers `/v1/completions` with SSE chunks after known delays, so measured
+TTFT and ITL can be checked against them (with bounds generous enough for a busy machine).
+Special prompts make it fail: "FAIL" answers HTTP 500, "BREAK" sends an error chunk mid-stream,
+"SLOW" stalls for seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import msgspec
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from benchmarks.loadgen import RunResult, arrival_times, run_load, run_sweep, scrape_metrics
+from benchmarks.stats import SLO
+from benchmarks.workloads import BenchRequest, Fixed, RandomWorkload
+
+TTFT_S = 0.2
+ITL_S = 0.05
+
+
+class FakeServer:
+    """Records what it received and counts finished requests, exposed as a Prometheus counter."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.finished = 0
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/metrics", self.metrics),
+        ]
+        self.app = Starlette(routes=routes)
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if body["prompt"] == "FAIL":
+            return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+        return StreamingResponse(self._stream(body), media_type="text/event-stream")
+
+    async def _stream(self, body: dict) -> AsyncIterator[str]:
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        await asyncio.sleep(30 if body["prompt"] == "SLOW" else TTFT_S)
+        for i in range(body["max_tokens"]):
+            if i:
+                await asyncio.sleep(ITL_S)
+            yield event({"choices": [{"index": 0, "text": f" t{i}"}]})
+            if body["prompt"] == "BREAK":
+                yield event({"error": {"message": "engine died", "code": 500}})
+                return
+        usage = {
+            "prompt_tokens": len(body["prompt"].split()),
+            "completion_tokens": body["max_tokens"],
+            "prompt_tokens_details": {"cached_tokens": 1},
+        }
+        self.finished += 1  # before the client can see the end, so a scrape after it counts it
+        yield event({"choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+
+    async def metrics(self, request: Request) -> Response:
+        text = (
+            "# HELP tandem_fake_requests Finished requests.\n"
+            "# TYPE tandem_fake_requests counter\n"
+            f'tandem_fake_requests_total{{engine="a"}} {self.finished}\n'
+            f'tandem_fake_requests_total{{engine="b"}} {self.finished}\n'
+        )
+        return PlainTextResponse(text)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[FakeServer, str]]:
+    fake = FakeServer()
+    port = _free_port()
+    config = uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("fake server did not start")
+        time.sleep(0.02)
+    yield fake, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _requests(n: int, max_tokens: int = 5, prompt: str = "hello there") -> list[BenchRequest]:
+    return [BenchRequest(f"{prompt} {i}", max_tokens) for i in range(n)]
+
+
+def _run(base_url: str, requests: list[BenchRequest], **kwargs) -> RunResult:
+    return asyncio.run(run_load(base_url, "fake", requests, progress=False, **kwargs))
+
+
+def test_measured_ttft_and_itl_follow_the_servers_delays(server) -> None:
+    _, url = server
+    result = _run(url, _requests(3), concurrency=3)
+    assert result.summary.num_completed == 3
+    for r in result.requests:
+        assert TTFT_S <= r.ttft < TTFT_S + 1.0
+        assert len(r.itls) == 4
+        assert all(ITL_S * 0.5 <= gap < ITL_S + 1.0 for gap in r.itls)
+        assert ITL_S * 0.5 <= r.tpot < ITL_S + 1.0
+        assert r.latency >= r.token_times[-1]
+    assert TTFT_S * 1000 <= result.summary.ttft_ms.p50 < (TTFT_S + 1.0) * 1000
+
+
+def test_usage_is_read_from_the_final_chunk(server) -> None:
+    _, url = server
+    (r,) = _run(url, _requests(1, max_tokens=4)).requests
+    assert (r.prompt_tokens, r.output_tokens, r.cached_tokens) == (3, 4, 1)
+
+
+def test_requests_stream_with_usage_and_exact_lengths(server) -> None:
+    fake, url = server
+    _run(url, _requests(1), extra_body={"temperature": 0.0})
+    (body,) = fake.bodies
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 5
+    assert body["temperature"] == 0.0 and body["model"] == "fake"
+
+
+def test_warmup_requests_are_sent_first_and_excluded(server) -> None:
+    fake, url = server
+    requests = _requests(5)
+    result = _run(url, requests, warmup=2, metric_names=["tandem_fake_requests_total"])
+    assert [b["prompt"] for b in fake.bodies[:2]] == [r.prompt for r in requests[:2]]
+    assert len(fake.bodies) == 5
+    assert result.summary.num_requests == 3 and len(result.requests) == 3
+    # Two engines each count the 3 measured requests; warm-up finished before the first scrape.
+    assert result.summary.server_metrics == {"tandem_fake_requests_total": 6.0}
+
+
+def test_max_requests_bounds_what_is_sent(server) -> None:
+    fake, url = server
+    result = _run(url, _requests(10), max_requests=4)
+    assert len(fake.bodies) == 4 and result.summary.num_requests == 4
+
+
+def test_duration_bounds_what_is_sent(server) -> None:
+    fake, url = server
+    # Constant 10 req/s for 0.35 s sends at 0, 0.1, 0.2 and 0.3 s at most.
+    result = _run(url, _requests(20), rate=10.0, arrival="constant", duration_s=0.35)
+    assert 1 <= len(fake.bodies) <= 4
+    assert result.summary.num_completed == len(fake.bodies)
+
+
+def test_requests_leave_no_earlier_than_their_arrival_time(server) -> None:
+    _, url = server
+    result = _run(url, _requests(6), rate=20.0, arrival="poisson", seed=11)
+    schedule = arrival_times(6, 20.0, "poisson", seed=11)
+    for r, offset in zip(result.requests, schedule):
+        assert r.start >= offset - 0.01
+
+
+def test_concurrency_cap_limits_requests_in_flight(server) -> None:
+    _, url = server
+    result = _run(url, _requests(4), concurrency=1)
+    spans = sorted((r.start, r.start + r.latency) for r in result.requests)
+    assert all(end <= next_start + 1e-3 for (_, end), (next_start, _) in zip(spans, spans[1:]))
+
+
+def test_an_http_error_is_counted_as_a_failure_with_its_text(server) -> None:
+    _, url = server
+    result = _run(url, [BenchRequest("FAIL", 5), *_requests(2)])
+    s = result.summary
+    assert (s.num_failed, s.num_completed) == (1, 2)
+    ((text, count),) = s.errors.items()
+    assert count == 1 and text.startswith("HTTP 500") and "injected failure" in text
+
+
+def test_an_error_chunk_mid_stream_is_a_failure(server) -> None:
+    _, url = server
+    (r,) = _run(url, [BenchRequest("BREAK", 5)]).requests
+    assert not r.ok and "engine died" in r.error
+
+
+def test_a_stalled_request_times_out_as_a_failure(server) -> None:
+    _, url = server
+    (r,) = _run(url, [BenchRequest("SLOW", 5)], request_timeout_s=0.5).requests
+    assert r.error == "timed out after 0.5 s"
+
+
+def test_a_refused_connection_is_a_failure() -> None:
+    result = _run(f"http://127.0.0.1:{_free_port()}", _requests(1))
+    assert result.summary.num_failed == 1
+    assert "ConnectError" in result.requests[0].error
+
+
+def test_constant_arrivals_are_evenly_spaced() -> None:
+    assert arrival_times(4, 2.0, "constant", seed=0) == [0.0, 0.5, 1.0, 1.5]
+
+
+def test_no_rate_sends_everything_at_once() -> None:
+    assert arrival_times(3, None, "poisson", seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_poisson_arrivals_are_reproducible_from_the_seed() -> None:
+    assert arrival_times(50, 4.0, "poisson", seed=1) == arrival_times(50, 4.0, "poisson", seed=1)
+    assert arrival_times(50, 4.0, "poisson", seed=1) != arrival_times(50, 4.0, "poisson", seed=2)
+
+
+def test_poisson_arrivals_average_the_requested_rate() -> None:
+    times = arrival_times(20001, 4.0, "poisson", seed=0)
+    assert times[-1] / 20000 == pytest.approx(0.25, rel=0.05)
+
+
+def test_slo_figures_are_part_of_the_summary(server) -> None:
+    _, url = server
+    loose = SLO(ttft_ms=60_000, tpot_ms=60_000)
+    summary = _run(url, [BenchRequest("FAIL", 5), *_requests(3)], slo=loose).summary
+    assert summary.slo_attainment == pytest.approx(0.75)
+    assert summary.goodput == pytest.approx(3 / summary.duration_s)
+
+
+def test_a_sweep_runs_each_rate_with_fresh_prompts(server) -> None:
+    fake, url = server
+    workload = RandomWorkload(input_len=Fixed(4), output_len=Fixed(2))
+    results = asyncio.run(
+        run_sweep(url, "fake", workload, 2, rates=[50.0, 100.0], seed=3, progress=False)
+    )
+    assert [r.config.rate for r in results] == [50.0, 100.0]
+    assert [r.config.seed for r in results] == [3, 4]
+    prompts = [b["prompt"] for b in fake.bodies]
+    assert len(prompts) == 4 and len(set(prompts)) == 4
+
+
+def test_a_run_result_round_trips_through_json(server) -> None:
+    _, url = server
+    result = _run(url, _requests(2))
+    assert msgspec.json.decode(msgspec.json.encode(result), type=RunResult) == result
+    assert result.environment.cpu_count and result.environment.python
+
+
+def test_scraping_sums_a_counter_over_its_labels(server) -> None:
+    _, url = server
+    values = asyncio.run(scrape_metrics(url, ["tandem_fake_requests_total", "tandem_absent"]))
+    assert values == {"tandem_fake_requests_total": 0.0}
