@@ -1,0 +1,182 @@
+"""EngineActor: one vLLM AsyncLLM per Ray actor, in the role prefill, decode or both.
+
+The actor is the only place that imports vLLM's engine. Its process environment (core
+binding, NIXL side channel, KV cache size) is set by the deployer through the actor's
+runtime_env, so the engine core that vLLM spawns inherits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import msgspec
+import ray
+
+from actors.protocol import (
+    TRANSFER_BUCKETS,
+    EngineChunk,
+    EngineInfo,
+    EngineRequest,
+    EngineStats,
+    Role,
+)
+
+logger = logging.getLogger("tandem.engine")
+
+
+class EngineSpec(msgspec.Struct, frozen=True):
+    """Everything an engine actor needs to start, decided by the deployer."""
+
+    engine_id: str
+    role: Role
+    model_path: str
+    served_name: str
+    # AsyncEngineArgs fields, already merged (top level + pool overrides).
+    engine_args: dict[str, Any]
+    tensor_parallel_size: int = 1
+    # vLLM kv_transfer_config dict, None for an engine without a KV connector.
+    kv_transfer: dict[str, Any] | None = None
+
+
+def _observe_transfers(stats: EngineStats, data: dict[str, Any]) -> None:
+    """Fold one NixlKVConnectorStats payload (lists per interval) into cumulative stats."""
+    t = stats.transfers
+    durations = data.get("transfer_duration", [])
+    t.num_transfers += len(durations)
+    t.bytes += int(sum(data.get("bytes_transferred", [])))
+    t.num_failed += len(data.get("num_failed_transfers", [])) + len(data.get("num_failed_handshakes", []))
+    for d in durations:
+        t.seconds += d
+        t.max_seconds = max(t.max_seconds, d)
+        idx = next((i for i, b in enumerate(TRANSFER_BUCKETS) if d <= b), len(TRANSFER_BUCKETS))
+        t.bucket_counts[idx] += 1
+
+
+def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any]) -> None:
+    """Dispatch a scheduler_stats.kv_connector_stats payload by its shape.
+
+    NixlConnector alone sends its data dict; a MultiConnector sends {child name: stats}
+    whose values are stats objects or {"data": ...} dicts; Tandem's connectors send
+    {"counters": {name: {counter: value}}}.
+    """
+    if "transfer_duration" in payload:
+        _observe_transfers(stats, payload)
+        return
+    if "counters" in payload:
+        for name, counters in payload["counters"].items():
+            mine = stats.connector_counters.setdefault(name, {})
+            for key, value in counters.items():
+                mine[key] = mine.get(key, 0) + value
+        return
+    for child in payload.values():
+        data = getattr(child, "data", child)
+        if isinstance(data, dict):
+            _observe_connector_stats(stats, data.get("data", data) if "data" in data else data)
+
+
+@ray.remote
+class EngineActor:
+    """A vLLM engine behind Ray calls: generate (streaming), abort, health, stats."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.llm: Any = None
+        self.stats = EngineStats(engine_id=spec.engine_id, role=spec.role)
+        self._info: EngineInfo | None = None
+
+    async def start(self) -> EngineInfo:
+        """Build the engine (blocks until vLLM's engine core is up); returns what it became."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from actors.stats_logger import TandemStatLogger
+
+        args = AsyncEngineArgs(
+            model=self.spec.model_path,
+            served_model_name=[self.spec.served_name],
+            tensor_parallel_size=self.spec.tensor_parallel_size,
+            kv_transfer_config=self.spec.kv_transfer,
+            **self.spec.engine_args,
+        )
+        factory = partial(TandemStatLogger, sink=self.stats, observe_connector=_observe_connector_stats)
+        # AsyncLLM's constructor waits for the engine core process; keep the loop free.
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
+        vcfg = self.llm.vllm_config
+        ctx = ray.get_runtime_context()
+        side = None
+        if self.spec.kv_transfer is not None:
+            side = f"{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_HOST')}:{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')}"
+        self._info = EngineInfo(
+            engine_id=self.spec.engine_id,
+            role=self.spec.role,
+            node_id=ctx.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            max_model_len=vcfg.model_config.max_model_len,
+            block_size=vcfg.cache_config.block_size,
+            side_channel=side,
+            cpu_binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        )
+        logger.info("engine %s (%s) ready: %s", self.spec.engine_id, self.spec.role, self._info)
+        return self._info
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError(f"engine {self.spec.engine_id} has not started; call start() first")
+        return self._info
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Stream the request's output as deltas; the last chunk has finished=True."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = req.sampling
+        params = SamplingParams(
+            **msgspec.structs.asdict(s) | {"stop": s.stop or None, "stop_token_ids": s.stop_token_ids or None},
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
+        )
+        finished = False
+        try:
+            async for out in self.llm.generate(
+                {"prompt_token_ids": req.prompt_token_ids}, params, req.request_id
+            ):
+                comp = out.outputs[0]
+                finished = out.finished
+                yield EngineChunk(
+                    text=comp.text,
+                    token_ids=list(comp.token_ids),
+                    finished=out.finished,
+                    finish_reason=comp.finish_reason,
+                    stop_reason=comp.stop_reason,
+                    num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                    kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                )
+        finally:
+            if finished:
+                self.stats.num_requests_finished += 1
+            else:
+                self.stats.num_requests_aborted += 1
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (a no-op if it already finished)."""
+        await self.llm.abort(request_id)
+
+    async def health(self) -> bool:
+        """Raise if the engine core is dead; True otherwise."""
+        await self.llm.check_health()
+        return True
+
+    def get_stats(self) -> EngineStats:
+        return self.stats
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core processes before the actor itself is killed."""
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

@@ -1,0 +1,101 @@
+"""Messages between the router and engine actors: typed msgspec Structs, no vLLM imports.
+
+The router (in the Serve ingress) builds these without importing vLLM; the engine actor
+turns them into vLLM objects. Only what a request needs crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode", "both"]
+
+# Transfer-time histogram buckets (seconds), shared by engines and /metrics.
+TRANSFER_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The sampling settings Tandem forwards to vLLM's SamplingParams (same names)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class EngineRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    # vLLM's kv_transfer_params: {"do_remote_decode": True} for a prefill, the prefill's
+    # answer for the matching decode, None for a colocated request.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class EngineChunk(msgspec.Struct, frozen=True):
+    """One streamed delta of a request's output."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    # Prompt tokens this engine did not compute (local prefix cache + external KV).
+    num_cached_tokens: int = 0
+    # Set on a prefill's final chunk: what the decode engine needs to pull the KV.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    engine_id: str
+    role: Role
+    node_id: str
+    node_ip: str
+    pid: int
+    max_model_len: int
+    block_size: int
+    side_channel: str | None
+    cpu_binding: str | None
+
+
+class TransferStats(msgspec.Struct):
+    """KV moved into this engine by its connector (worker side, summed over workers)."""
+
+    num_transfers: int = 0
+    num_failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    max_seconds: float = 0.0
+    # Cumulative-free counts per TRANSFER_BUCKETS bucket (+ one overflow bucket).
+    bucket_counts: list[int] = msgspec.field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
+
+
+class EngineStats(msgspec.Struct):
+    engine_id: str
+    role: Role
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    num_generation_tokens: int = 0
+    # Prompt tokens by where their KV came from: "local_compute", "local_cache_hit",
+    # "external_kv_transfer" (loaded through the KV connector instead of recomputed).
+    prompt_tokens_by_source: dict[str, int] = {}
+    transfers: TransferStats = msgspec.field(default_factory=TransferStats)
+    # Raw per-connector counters reported by Tandem's connectors (name -> counter -> value).
+    connector_counters: dict[str, dict[str, float]] = {}

@@ -1,0 +1,55 @@
+"""`tandem serve | validate | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator.config import ConfigError, load_config, to_dict
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from orchestrator.job import serve_until_stopped, setup_logging
+
+    setup_logging()
+    serve_until_stopped(load_config(args.config), args.address)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from orchestrator.preflight import preflight
+
+    cfg = load_config(args.config)
+    preflight(cfg)
+    pools = ", ".join(f"{role}: {p.replicas} x (tp={p.tensor_parallel_size}, cpus={p.num_cpus}, gpus={p.num_gpus})" for role, p in cfg.pools.items())
+    connector = cfg.kv_transfer.connector if cfg.disaggregated else "none (colocated)"
+    print(f"OK {args.config}: model {cfg.model.name!r}; pools {pools}; KV connector {connector}; "
+          f"serving on {cfg.serve.host}:{cfg.serve.port}")
+    if args.show:
+        import json
+
+        print(json.dumps(to_dict(cfg), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="deploy and serve until Ctrl-C (no CONFIG: tiny 1P1D on CPU, embedded Ray)")
+    p.add_argument("config", nargs="?", help="YAML/TOML/JSON deployment config")
+    p.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
+    p.set_defaults(func=_serve)
+    p = sub.add_parser("validate", help="check a config (fields, model, engine args, connectors) without starting anything")
+    p.add_argument("config")
+    p.add_argument("--show", action="store_true", help="print the config with every default filled in")
+    p.set_defaults(func=_validate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"tandem: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Tandem's deployment config: msgspec Structs, loaded from YAML, TOML or JSON.
+
+Parsing is strict (unknown fields are errors) and every error is re-worded as a
+:class:`ConfigError` that names the offending field and says how to fix it. Checks that
+need the outside world (does the model folder exist, are the connectors importable, are
+the engine args real vLLM args) live in :mod:`orchestrator.preflight`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+
+import msgspec
+import yaml
+from msgspec import Meta, Struct
+
+BUILTIN_TINY = "builtin:tiny"
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+
+# Engine arguments Tandem sets itself, with the config field to use instead.
+RESERVED_ENGINE_ARGS: dict[str, str] = {
+    "model": "model.source",
+    "tokenizer": "model.source",
+    "served_model_name": "model.served_name",
+    "tensor_parallel_size": "<pool>.tensor_parallel_size",
+    "kv_transfer_config": "kv_transfer",
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be deployed; the message names the field and the fix."""
+
+
+class ModelConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # A local folder with config.json, a hub id (org/name), or "builtin:tiny": a tiny
+    # random Llama generated locally on first use (no download), for tests and demos.
+    source: str = BUILTIN_TINY
+    # The name clients pass as "model"; defaults to the source (or "tandem-tiny").
+    served_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        return "tandem-tiny" if self.source == BUILTIN_TINY else self.source
+
+
+class PoolConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Number of engine replicas in the pool.
+    replicas: PositiveInt = 1
+    # Ray resources reserved per replica (one placement-group bundle per TP worker).
+    num_cpus: NonNegativeFloat = 1.0
+    num_gpus: NonNegativeFloat = 0.0
+    resources: dict[str, float] = {}
+    tensor_parallel_size: PositiveInt = 1
+    # vLLM engine args for this pool only, applied over the top-level engine_args.
+    engine_args: dict[str, Any] = {}
+
+
+class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # A connector name known to connectors.registry (vLLM's or Tandem's), or a class
+    # name in `module_path`.
+    connector: str = "NixlConnector"
+    # Import path of an out-of-tree connector module; wins over a registered name.
+    module_path: str | None = None
+    # Passed to the connector as kv_connector_extra_config.
+    extra_config: dict[str, Any] = {}
+    # Where NIXL registers the KV cache: "cpu" on CPU hosts, "cuda" on GPUs.
+    buffer_device: Literal["cpu", "cuda"] = "cpu"
+    # First NIXL side-channel port on each node; engines on one node get distinct ports.
+    side_channel_base_port: Port = 5600
+    # Run one request through every prefill->decode pair before reporting ready, so no
+    # user request pays for the first NIXL handshake.
+    prewarm_handshakes: bool = True
+
+
+class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # How the router picks a replica within a pool.
+    policy: Literal["round_robin", "least_outstanding"] = "least_outstanding"
+
+
+class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Address Ray Serve's HTTP proxy listens on.
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    app_name: str = "tandem"
+    route_prefix: str = "/"
+
+
+class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # KV cache per engine on CPU hosts, GiB (VLLM_CPU_KVCACHE_SPACE).
+    kvcache_space_gib: PositiveInt = 1
+    # Pin each engine's OpenMP threads to its own cores, split from the node's cores by
+    # placement. "off" leaves vLLM's own binding (every engine on every core).
+    bind_cores: Literal["auto", "off"] = "auto"
+
+
+class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    model: ModelConfig = ModelConfig()
+    device: Literal["cpu", "cuda"] = "cpu"
+    # vLLM engine args for every engine (AsyncEngineArgs field names).
+    engine_args: dict[str, Any] = {}
+    # Disaggregated pools. Leave both unset and set `colocated` for the baseline.
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    # Colocated baseline: engines that prefill and decode themselves (role "both").
+    colocated: PoolConfig | None = None
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    routing: RoutingConfig = RoutingConfig()
+    serve: ServeConfig = ServeConfig()
+    cpu: CpuHostConfig = CpuHostConfig()
+
+    def __post_init__(self) -> None:
+        if self.colocated is not None and (self.prefill is not None or self.decode is not None):
+            raise ValueError(
+                "`colocated` cannot be combined with `prefill`/`decode`: "
+                "remove `colocated` for a disaggregated deployment, or the two pools for a colocated one"
+            )
+        if self.colocated is None and (self.prefill is None) != (self.decode is None):
+            missing = "decode" if self.decode is None else "prefill"
+            raise ValueError(f"a disaggregated deployment needs both pools: add a `{missing}` section")
+        for where, args in self._engine_arg_sets():
+            for key in args:
+                if key in RESERVED_ENGINE_ARGS:
+                    raise ValueError(
+                        f"`{where}.{key}` is set by Tandem: use `{RESERVED_ENGINE_ARGS[key]}` instead"
+                    )
+
+    def _engine_arg_sets(self) -> list[tuple[str, dict[str, Any]]]:
+        sets = [("engine_args", self.engine_args)]
+        for name, pool in self.pools.items():
+            sets.append((f"{name}.engine_args", pool.engine_args))
+        return sets
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.colocated is None
+
+    @property
+    def pools(self) -> dict[str, PoolConfig]:
+        """Pools by role: {"prefill", "decode"} or {"both"}."""
+        if self.colocated is not None:
+            return {"both": self.colocated}
+        return {"prefill": self.prefill or PoolConfig(), "decode": self.decode or PoolConfig()}
+
+    def engine_args_for(self, role: str) -> dict[str, Any]:
+        """Top-level engine args with the pool's overrides applied."""
+        return {**self.engine_args, **self.pools[role].engine_args}
+
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]+)`")
+
+
+def _struct_at(path: str) -> type[Struct] | None:
+    """The Struct type reached by a msgspec error path like `.prefill.engine_args`."""
+    tp: Any = TandemConfig
+    for part in filter(None, re.split(r"\.|\[\d+\]", path)):
+        if not (isinstance(tp, type) and issubclass(tp, Struct)):
+            return None
+        hint = get_type_hints(tp, include_extras=True).get(part)
+        if hint is None:
+            return None
+        args = [a for a in get_args(hint) if a is not type(None)] if get_origin(hint) else []
+        tp = args[0] if args else hint
+    return tp if isinstance(tp, type) and issubclass(tp, Struct) else None
+
+
+def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
+    """Turn msgspec's message into one that names the field and the fix."""
+    m = _AT.match(str(err))
+    assert m is not None  # the pattern matches any string
+    msg, path = m.group("msg"), (m.group("path") or "")
+    field = path.lstrip(".") or "<top level>"
+    fix = "see examples/ for valid configs"
+    if unknown := _UNKNOWN.search(msg):
+        struct = _struct_at(path)
+        bad = unknown.group("field")
+        field = f"{path.lstrip('.')}.{bad}".lstrip(".")
+        if struct is not None:
+            fix = f"remove it or use one of: {', '.join(struct.__struct_fields__)}"
+    elif msg.startswith("Expected"):
+        fix = f"give `{field}` a value of the expected type"
+    return ConfigError(f"{source}: invalid config field `{field}`: {msg}; fix: {fix}")
+
+
+def parse_config(data: dict[str, Any] | None, source: str = "config") -> TandemConfig:
+    """Build a TandemConfig from plain data (a dict from YAML/TOML/JSON, or None for defaults)."""
+    try:
+        return msgspec.convert(data or {}, TandemConfig)
+    except msgspec.ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def load_config(path: str | Path | None) -> TandemConfig:
+    """Load a config file by extension (.yaml/.yml, .toml, .json); None gives the embedded default."""
+    if path is None:
+        return TandemConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; fix: pass the path of a YAML, TOML or JSON file")
+    text = p.read_text()
+    try:
+        match p.suffix.lower():
+            case ".yaml" | ".yml":
+                data = yaml.safe_load(text)
+            case ".toml":
+                data = tomllib.loads(text)
+            case ".json":
+                data = json.loads(text)
+            case other:
+                raise ConfigError(
+                    f"config file {str(p)!r} has unknown extension {other!r}; fix: use .yaml, .yml, .toml or .json"
+                )
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"config file {str(p)!r} is not valid {p.suffix[1:].upper()}: {err}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, not {type(data).__name__}")
+    return parse_config(data, source=str(p))
+
+
+def to_dict(cfg: TandemConfig) -> dict[str, Any]:
+    """Plain-data form (for Serve deployment args, job logs and benchmark result files)."""
+    return msgspec.to_builtins(cfg)

@@ -1,0 +1,198 @@
+"""Bringing a deployment up and down: placement groups, engine pools, handshakes, teardown.
+
+Order of start-up: reserve one placement group per replica (fails fast with what the
+cluster lacks), probe the chosen nodes, give every engine its side channel and cores,
+start all engines in parallel, pre-warm every prefill->decode handshake, then report.
+Teardown reverses it and never leaves an engine process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.engine import EngineActor, EngineSpec
+from actors.protocol import EngineInfo, Role, SamplingOptions
+from orchestrator.config import TandemConfig
+from orchestrator.placement import EngineSlot, assign_slots
+from orchestrator.router import EngineRef, RequestTrace, Router
+
+logger = logging.getLogger("tandem.deploy")
+
+KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+class DeployError(RuntimeError):
+    """The deployment could not start; the message says which part and why."""
+
+
+def kv_transfer_for(cfg: TandemConfig, role: Role) -> dict[str, Any] | None:
+    """The vLLM kv_transfer_config of an engine in `role` (None: no connector)."""
+    if not cfg.disaggregated:
+        return None
+    kv = cfg.kv_transfer
+    out: dict[str, Any] = {
+        "kv_connector": kv.connector,
+        "kv_role": KV_ROLES[role],
+        "kv_buffer_device": kv.buffer_device,
+        "kv_connector_extra_config": dict(kv.extra_config),
+    }
+    if kv.module_path is not None:
+        out["kv_connector_module_path"] = kv.module_path
+    return out
+
+
+def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
+    """The engine process's environment: what vLLM only reads from env vars."""
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": slot.node_ip,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(slot.side_channel_port),
+    }
+    if cfg.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
+        if slot.cpu_binding is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_binding
+    if cfg.model.source.startswith("builtin:"):
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+class Deployment:
+    """The engine pools of one config on a Ray cluster (Ray must already be initialised)."""
+
+    def __init__(self, cfg: TandemConfig) -> None:
+        self.cfg = cfg
+        self.engines: list[EngineRef] = []
+        self.infos: list[EngineInfo] = []
+        self._pgs: list[PlacementGroup] = []
+
+    def start(self, timeout_s: float = 900.0) -> list[EngineRef]:
+        """Start every pool and pre-warm handshakes; on any failure, tear down and raise."""
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.engines
+
+    def _start(self, timeout_s: float) -> None:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        replicas: list[tuple[Role, int]] = [
+            (role, i) for role, pool in cfg.pools.items() for i in range(pool.replicas)  # type: ignore[misc]
+        ]
+        for role, i in replicas:
+            pool = cfg.pools[role]
+            bundle = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+            bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+            self._pgs.append(placement_group([bundle], strategy="STRICT_PACK", name=f"{cfg.serve.app_name}-{role}-{i}"))
+        self._wait_for_placement(replicas, timeout_s=120.0)
+        nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self._pgs]
+        slots = assign_slots(
+            nodes,
+            [cfg.pools[r].tensor_parallel_size for r, _ in replicas],
+            cfg.kv_transfer.side_channel_base_port,
+            bind_cores=cfg.device == "cpu" and cfg.cpu.bind_cores == "auto",
+            model_source=cfg.model.source,
+        )
+        handles = []
+        for (role, i), pg, slot in zip(replicas, self._pgs, slots):
+            pool = cfg.pools[role]
+            spec = EngineSpec(
+                engine_id=f"{role}-{i}",
+                role=role,
+                model_path=slot.model_path,
+                served_name=cfg.model.name,
+                engine_args=cfg.engine_args_for(role),
+                tensor_parallel_size=pool.tensor_parallel_size,
+                kv_transfer=kv_transfer_for(cfg, role),
+            )
+            handle = EngineActor.options(
+                name=f"{cfg.serve.app_name}:{spec.engine_id}",
+                num_cpus=pool.num_cpus,
+                num_gpus=pool.num_gpus,
+                resources=dict(pool.resources),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                runtime_env={"env_vars": engine_env(cfg, slot)},
+            ).remote(spec)
+            handles.append(handle)
+            self.engines.append(EngineRef(spec.engine_id, role, handle))
+            logger.info(
+                "starting engine %s on node %s (side channel %s:%d, cores %s)",
+                spec.engine_id, slot.node_ip, slot.node_ip, slot.side_channel_port, slot.cpu_binding or "unbound",
+            )
+        self.infos = self._wait_for_engines(handles, timeout_s)
+        logger.info("%d engines up in %.1f s", len(self.engines), time.perf_counter() - t0)
+        if cfg.disaggregated and cfg.kv_transfer.prewarm_handshakes:
+            asyncio.run(self.prewarm())
+
+    def _wait_for_placement(self, replicas: list[tuple[Role, int]], timeout_s: float) -> None:
+        ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs), timeout=timeout_s)
+        if len(ready) < len(self._pgs):
+            missing = [f"{r}-{i}" for (r, i), pg in zip(replicas, self._pgs) if pg.ready() not in ready]
+            raise DeployError(
+                f"could not reserve resources for engines {missing} within {timeout_s:.0f} s; the cluster has "
+                f"{ray.available_resources()} available. Fix: lower num_cpus/num_gpus per replica or the "
+                "replica counts, or add nodes"
+            )
+
+    def _wait_for_engines(self, handles: list[Any], timeout_s: float) -> list[EngineInfo]:
+        refs = [h.start.remote() for h in handles]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            slow = [e.engine_id for e, r in zip(self.engines, refs) if r in pending]
+            raise DeployError(f"engines {slow} did not start within {timeout_s:.0f} s; see their logs above")
+        infos = []
+        for engine, ref in zip(self.engines, refs):
+            try:
+                infos.append(ray.get(ref))
+            except Exception as err:
+                raise DeployError(f"engine {engine.engine_id} failed to start: {err}") from err
+        return infos
+
+    async def prewarm(self) -> None:
+        """Send one request through every prefill->decode pair so the NIXL handshakes (seconds
+        each) happen now, not on a user's first request."""
+        router = Router(self.engines, "round_robin")
+        info = {i.engine_id: i for i in self.infos}
+        t0 = time.perf_counter()
+        for p in router.pools["prefill"].engines:
+            for d in router.pools["decode"].engines:
+                # Long enough to fill at least one KV block, so real bytes move.
+                n = min(info[p.engine_id].block_size + 1, info[p.engine_id].max_model_len - 2)
+                trace = RequestTrace()
+                async for _ in router.generate(
+                    f"prewarm-{p.engine_id}-{d.engine_id}",
+                    list(range(10, 10 + n)),
+                    SamplingOptions(max_tokens=1, temperature=0.0),
+                    trace,
+                    prefill_engine=p,
+                    decode_engine=d,
+                ):
+                    pass
+                if trace.fallback:
+                    raise DeployError(
+                        f"handshake pre-warm {p.engine_id} -> {d.engine_id} failed ({trace.fallback}); "
+                        "check the kv_transfer settings and that the side-channel ports are reachable between nodes"
+                    )
+        logger.info("pre-warmed %d prefill->decode handshakes in %.1f s",
+                    len(router.pools["prefill"].engines) * len(router.pools["decode"].engines),
+                    time.perf_counter() - t0)
+
+    def stop(self) -> None:
+        """Stop engines (their vLLM engine-core processes first), then free the reservations."""
+        if self.engines:
+            shutdowns = [e.handle.shutdown.remote() for e in self.engines]
+            ray.wait(shutdowns, num_returns=len(shutdowns), timeout=60)
+            for e in self.engines:
+                ray.kill(e.handle, no_restart=True)
+            logger.info("stopped %d engines", len(self.engines))
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self.engines, self.infos, self._pgs = [], [], []

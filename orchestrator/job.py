@@ -1,0 +1,94 @@
+"""Run one deployment until told to stop: the body of `tandem serve` and of Ray jobs.
+
+    ray job submit --working-dir . -- python -m orchestrator.job --config examples/1p1d-cpu.yaml
+
+joins the running cluster (RAY_ADDRESS, set by `ray job submit`), starts the pools and the
+Serve app, prints a ready line, and on SIGINT/SIGTERM (`ray job stop`, Ctrl-C) removes the
+app, stops every engine and frees every placement group before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import ray
+from ray import serve
+
+from orchestrator.config import TandemConfig, load_config
+from orchestrator.deploy import Deployment
+from orchestrator.preflight import preflight
+from orchestrator.serve import build_ingress
+
+logger = logging.getLogger("tandem.job")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def init_ray(cfg: TandemConfig, address: str | None) -> bool:
+    """Join `address` (or RAY_ADDRESS), else start an embedded single-machine Ray; True if embedded."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return False
+    need = sum(p.num_cpus * p.replicas for p in cfg.pools.values())
+    # Embedded Ray serves one machine: bind it to loopback; logical CPUs cover every engine.
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1")
+    return True
+
+
+def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
+    """Start everything, announce readiness, block until SIGINT/SIGTERM, tear everything down."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    t0 = time.perf_counter()
+    preflight(cfg)
+    embedded = init_ray(cfg, address)
+    deployment = Deployment(cfg)
+    try:
+        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        engines = deployment.start()
+        if stop.is_set():
+            return
+        app = build_ingress(cfg, engines, min(i.max_model_len for i in deployment.infos))
+        serve.run(app, name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
+        host = ray.util.get_node_ip_address() if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
+        shape = " + ".join(f"{p.replicas} {role}" for role, p in cfg.pools.items())
+        print(
+            f"Tandem ready: serving {cfg.model.name!r} ({shape}) at http://{host}:{cfg.serve.port}/v1 "
+            f"after {time.perf_counter() - t0:.0f} s; Ctrl-C to stop",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            pass
+        logger.info("stop requested; tearing down")
+    finally:
+        try:
+            serve.delete(cfg.serve.app_name)
+        except Exception as err:  # Serve may not have started; teardown goes on regardless
+            logger.warning("could not delete the Serve app: %s", err)
+        deployment.stop()
+        if embedded:
+            serve.shutdown()
+        ray.shutdown()
+        logger.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.job", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML/TOML/JSON deployment config (default: the tiny 1P1D)")
+    parser.add_argument("--address", help="Ray address to join (default: RAY_ADDRESS, else embedded Ray)")
+    args = parser.parse_args(argv)
+    setup_logging()
+    serve_until_stopped(load_config(args.config), args.address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

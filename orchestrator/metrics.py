@@ -1,0 +1,118 @@
+"""Tandem's Prometheus metrics: the router's own, plus every engine's, on one /metrics page.
+
+The router records per-request figures as they happen. Engine figures (KV bytes and
+tokens moved, transfer times, prompt tokens by source) are pulled from the engine actors
+at scrape time and exposed with `pool` and `engine` labels, so a "disaggregated"
+deployment that silently recomputes shows up as zero external tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from actors.protocol import TRANSFER_BUCKETS, EngineStats
+from orchestrator.router import RequestTrace
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[str, int]) -> Iterable[Metric]:
+    labels = ["app", "pool", "engine"]
+
+    def fam(cls: type, name: str, doc: str, extra: list[str] | None = None) -> Metric:
+        return cls(name, doc, labels=labels + (extra or []))
+
+    kv_bytes = fam(CounterMetricFamily, "tandem_kv_transfer_bytes", "KV cache bytes this engine loaded through its KV connector")
+    kv_num = fam(CounterMetricFamily, "tandem_kv_transfers", "KV transfers this engine completed")
+    kv_failed = fam(CounterMetricFamily, "tandem_kv_transfer_failures", "KV transfers or handshakes that failed")
+    kv_max = fam(GaugeMetricFamily, "tandem_kv_transfer_max_seconds", "Slowest KV transfer seen by this engine")
+    kv_time = fam(HistogramMetricFamily, "tandem_kv_transfer_seconds", "Time per KV transfer")
+    prompt = fam(CounterMetricFamily, "tandem_prompt_tokens", "Prompt tokens by where their KV came from", ["source"])
+    gen = fam(CounterMetricFamily, "tandem_generation_tokens", "Tokens generated")
+    finished = fam(CounterMetricFamily, "tandem_engine_requests_finished", "Requests the engine finished")
+    aborted = fam(CounterMetricFamily, "tandem_engine_requests_aborted", "Requests aborted before finishing")
+    running = fam(GaugeMetricFamily, "tandem_engine_running_requests", "Requests the engine is running")
+    waiting = fam(GaugeMetricFamily, "tandem_engine_waiting_requests", "Requests waiting in the engine's queue")
+    usage = fam(GaugeMetricFamily, "tandem_engine_kv_cache_usage", "Fraction of the engine's KV cache in use")
+    inflight = fam(GaugeMetricFamily, "tandem_router_outstanding_requests", "Requests the router has in flight on the engine")
+    conn = fam(CounterMetricFamily, "tandem_connector_events", "Counters reported by Tandem's KV connectors", ["connector", "event"])
+    for s in stats:
+        lv = [app, s.role, s.engine_id]
+        t = s.transfers
+        kv_bytes.add_metric(lv, t.bytes)
+        kv_num.add_metric(lv, t.num_transfers)
+        kv_failed.add_metric(lv, t.num_failed)
+        kv_max.add_metric(lv, t.max_seconds)
+        cumulative, running_total = [], 0
+        for bound, n in zip([*map(str, TRANSFER_BUCKETS), "+Inf"], t.bucket_counts):
+            running_total += n
+            cumulative.append((bound, running_total))
+        kv_time.add_metric(lv, cumulative, sum_value=t.seconds)
+        for source, n in s.prompt_tokens_by_source.items():
+            prompt.add_metric(lv + [source], n)
+        gen.add_metric(lv, s.num_generation_tokens)
+        finished.add_metric(lv, s.num_requests_finished)
+        aborted.add_metric(lv, s.num_requests_aborted)
+        running.add_metric(lv, s.num_running)
+        waiting.add_metric(lv, s.num_waiting)
+        usage.add_metric(lv, s.kv_cache_usage)
+        inflight.add_metric(lv, outstanding.get(s.engine_id, 0))
+        for name, counters in s.connector_counters.items():
+            for event, value in counters.items():
+                conn.add_metric(lv + [name, event], value)
+    return [kv_bytes, kv_num, kv_failed, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn]
+
+
+class _EngineCollector:
+    """Serves the engine stats fetched for the scrape in progress."""
+
+    def __init__(self, app: str) -> None:
+        self.app = app
+        self.stats: Sequence[EngineStats] = ()
+        self.outstanding: dict[str, int] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        return _engine_families(self.app, self.stats, self.outstanding)
+
+
+class TandemMetrics:
+    """One registry per ingress replica: router-side metrics plus an engine collector."""
+
+    def __init__(self, app: str) -> None:
+        self.app = app
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tandem_requests", "HTTP requests by endpoint and status", ["app", "endpoint", "status"], registry=r)
+        self.fallbacks = Counter("tandem_fallbacks", "Requests that left the disaggregated path, by reason", ["app", "reason"], registry=r)
+        self.prompt_tokens = Counter("tandem_request_prompt_tokens", "Prompt tokens of served requests", ["app"], registry=r)
+        self.completion_tokens = Counter("tandem_request_completion_tokens", "Completion tokens of served requests", ["app"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first output token, at the router", ["app"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_request_latency_seconds", "Arrival to last output token, at the router", ["app"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("tandem_prefill_phase_seconds", "Arrival to the prefill engine's answer (disaggregated only)", ["app"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("tandem_requests_in_flight", "Requests being served", ["app"], registry=r)
+        self._engines = _EngineCollector(app)
+        r.register(self._engines)
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(self.app, endpoint, str(status)).inc()
+
+    def observe_trace(self, trace: RequestTrace, prompt_tokens: int, completion_tokens: int) -> None:
+        """Record a finished request's phases as the router timed them."""
+        self.prompt_tokens.labels(self.app).inc(prompt_tokens)
+        self.completion_tokens.labels(self.app).inc(completion_tokens)
+        if trace.fallback:
+            self.fallbacks.labels(self.app, trace.fallback).inc()
+        if trace.t_first_token is not None:
+            self.ttft.labels(self.app).observe(trace.t_first_token - trace.t_arrival)
+        if trace.t_done is not None:
+            self.e2e.labels(self.app).observe(trace.t_done - trace.t_arrival)
+        if trace.t_prefill_done is not None:
+            self.prefill.labels(self.app).observe(trace.t_prefill_done - trace.t_arrival)
+
+    def render(self, engine_stats: Sequence[EngineStats], outstanding: dict[str, int]) -> bytes:
+        """The Prometheus text page, with the engine stats fetched for this scrape."""
+        self._engines.stats, self._engines.outstanding = engine_stats, outstanding
+        return generate_latest(self.registry)

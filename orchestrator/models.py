@@ -1,0 +1,23 @@
+"""Turning `model.source` into something vLLM and the tokenizer can open, on any node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.config import BUILTIN_TINY
+
+
+def looks_like_path(source: str) -> bool:
+    """A source naming a local folder (as opposed to a hub id like org/name)."""
+    return source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().is_dir()
+
+
+def resolve_local(source: str) -> str:
+    """The local folder (or hub id) for `source` on this machine, preparing builtin:tiny once."""
+    if source == BUILTIN_TINY:
+        from orchestrator.tiny_model import prepare_tiny_model
+
+        return str(prepare_tiny_model())
+    if looks_like_path(source):
+        return str(Path(source).expanduser().resolve())
+    return source

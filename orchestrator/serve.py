@@ -1,0 +1,254 @@
+"""The Ray Serve app: an OpenAI-compatible front door over the router.
+
+Endpoints: /v1/completions, /v1/chat/completions (streaming and not), /v1/models, /health,
+/metrics. The ingress tokenizes (so prefill and decode engines see the same token ids),
+checks the request against the model's limits, and hands it to the router.
+
+`serve run orchestrator.serve:build_app config=examples/1p1d-cpu.yaml` starts the engine
+pools and this app in one go; `tandem serve` does the same with clean teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.protocol import EngineChunk
+from orchestrator.config import TandemConfig, parse_config
+from orchestrator.metrics import TandemMetrics
+from orchestrator.models import resolve_local
+from orchestrator.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+    make_id,
+    message_text,
+    now,
+    reject_unsupported,
+    usage,
+)
+from orchestrator.router import EngineRef, RequestTrace, Router
+
+logger = logging.getLogger("tandem.serve")
+
+api = FastAPI(title="Tandem", description="Disaggregated LLM serving on Ray (OpenAI-compatible)")
+
+
+class IngressArgs(msgspec.Struct, frozen=True):
+    config: dict[str, Any]
+    engines: list[EngineRef]
+    max_model_len: int
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _engine_error(err: Exception) -> ApiError:
+    """Map an engine-side failure: vLLM's own input checks are the client's fault (400)."""
+    cause = err.cause if isinstance(err, RayTaskError) else None
+    if isinstance(cause, (ValueError, TypeError)):
+        return ApiError(400, f"the engine rejected the request: {cause}")
+    if isinstance(err, RayActorError):
+        return ApiError(503, "an engine serving this request is unavailable; retry", kind="service_unavailable")
+    return ApiError(500, f"internal error while generating: {err}", kind="internal_error")
+
+
+@serve.deployment(name="openai", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, args: IngressArgs) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg: TandemConfig = parse_config(args.config)
+        self.model_name = self.cfg.model.name
+        self.max_model_len = args.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_local(self.cfg.model.source))
+        self.router = Router(args.engines, self.cfg.routing.policy)
+        self.metrics = TandemMetrics(self.cfg.serve.app_name)
+
+    # ---- endpoints -------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        results = await asyncio.gather(*(e.handle.health.remote() for e in self.router.engines), return_exceptions=True)
+        bad = {e.engine_id: repr(r) for e, r in zip(self.router.engines, results) if isinstance(r, BaseException)}
+        if bad:
+            return JSONResponse({"status": "unhealthy", "engines": bad}, status_code=503)
+        return JSONResponse({"status": "ok", "engines": len(results)})
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": now(), "owned_by": "tandem", "max_model_len": self.max_model_len}],
+        }
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        stats = await asyncio.gather(*(e.handle.get_stats.remote() for e in self.router.engines), return_exceptions=True)
+        live = [s for s in stats if not isinstance(s, BaseException)]
+        outstanding = {k: v for p in self.router.pools.values() for k, v in p.outstanding.items()}
+        return Response(self.metrics.render(live, outstanding), media_type="text/plain; version=0.0.4")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completions")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    # ---- request handling ------------------------------------------------------------
+
+    async def _handle(self, request: Request, endpoint: str) -> Response:
+        try:
+            body = await request.body()
+            req: CompletionRequest | ChatCompletionRequest
+            req = decode_request(body, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
+            reject_unsupported(req)
+            if req.model != self.model_name:
+                raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`", param="model", kind="not_found_error")
+            if isinstance(req, ChatCompletionRequest):
+                prompt_ids = self._chat_prompt(req)
+            else:
+                prompt_ids = self._completion_prompt(req)
+            sampling = req.sampling(self._max_tokens(req, len(prompt_ids)))
+        except ApiError as err:
+            self.metrics.observe_request(endpoint, err.status)
+            return JSONResponse(err.body(), status_code=err.status)
+        rid = make_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        trace = RequestTrace()
+        chunks = self.router.generate(rid, prompt_ids, sampling, trace)
+        if req.stream:
+            self.metrics.observe_request(endpoint, 200)
+            return StreamingResponse(self._stream(endpoint, rid, req, chunks, trace, len(prompt_ids)), media_type="text/event-stream")
+        return await self._complete(endpoint, rid, chunks, trace, len(prompt_ids))
+
+    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "batched prompts are not supported; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = list(prompt)
+            vocab = len(self.tokenizer)
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        conversation = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(req.messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # jinja errors of the model's own template
+            raise ApiError(400, f"the chat template could not render these messages: {err}", param="messages") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int) -> int:
+        room = self.max_model_len - num_prompt
+        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{num_prompt} prompt tokens and asks for {asked if asked is not None else 'at least 1'} "
+                "completion tokens. Shorten the prompt or lower max_tokens",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        return asked if asked is not None else room
+
+    async def _complete(self, endpoint: str, rid: str, chunks: AsyncIterator[EngineChunk], trace: RequestTrace, num_prompt: int) -> Response:
+        text, n_out, last = [], 0, None
+        try:
+            async for c in chunks:
+                text.append(c.text)
+                n_out += len(c.token_ids)
+                last = c
+        except (RayActorError, RayTaskError) as err:
+            api_err = _engine_error(err)
+            self.metrics.observe_request(endpoint, api_err.status)
+            return JSONResponse(api_err.body(), status_code=api_err.status)
+        self.metrics.observe_request(endpoint, 200)
+        self.metrics.observe_trace(trace, num_prompt, n_out)
+        finish = last.finish_reason if last else None
+        u = usage(num_prompt, n_out, trace.num_cached_tokens)
+        if endpoint == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None, "finish_reason": finish}
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name, "choices": [choice], "usage": u})
+        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish}
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name, "choices": [choice], "usage": u})
+
+    async def _stream(
+        self,
+        endpoint: str,
+        rid: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        chunks: AsyncIterator[EngineChunk],
+        trace: RequestTrace,
+        num_prompt: int,
+    ) -> AsyncIterator[bytes]:
+        chat = endpoint == "chat"
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(), "model": self.model_name}
+
+        def event(text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return _sse({**head, "choices": [choice], **({"usage": None} if req.include_usage else {})})
+
+        n_out = 0
+        try:
+            if chat:
+                yield event(None, None, role=True)
+            async for c in chunks:
+                n_out += len(c.token_ids)
+                if c.text or c.finished:
+                    yield event(c.text, c.finish_reason if c.finished else None)
+        except (RayActorError, RayTaskError) as err:
+            yield _sse(_engine_error(err).body())
+        else:
+            self.metrics.observe_trace(trace, num_prompt, n_out)
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": usage(num_prompt, n_out, trace.num_cached_tokens)})
+        yield b"data: [DONE]\n\n"
+
+
+def build_ingress(cfg: TandemConfig, engines: list[EngineRef], max_model_len: int) -> serve.Application:
+    """The Serve application for engines that are already running."""
+    from orchestrator.config import to_dict
+
+    return OpenAIIngress.bind(IngressArgs(config=to_dict(cfg), engines=engines, max_model_len=max_model_len))
+
+
+def build_app(args: dict[str, str]) -> serve.Application:
+    """`serve run orchestrator.serve:build_app config=PATH`: start the pools, return the app.
+
+    The engines belong to the `serve run` process and stop with it.
+    """
+    from orchestrator.config import load_config
+    from orchestrator.deploy import Deployment
+    from orchestrator.preflight import preflight
+
+    cfg = load_config(args.get("config"))
+    preflight(cfg)
+    deployment = Deployment(cfg)
+    engines = deployment.start()
+    return build_ingress(cfg, engines, min(i.max_model_len for i in deployment.infos))
