@@ -141,10 +141,11 @@ class TandemMultiStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """Flat ``{"<child>.<counter>": value}`` of the non-zero counters, for log lines."""
+        """Flat ``{"<child>.<counter>": value}`` of the non-zero counters, children sorted by
+        name so log lines are stable."""
         return {
             f"{name}.{field}": value
-            for name, counters in parse_stats(self.data).children.items()
+            for name, counters in sorted(parse_stats(self.data).children.items())
             for field, value in msgspec.structs.asdict(counters).items()
             if value
         }
@@ -379,17 +380,16 @@ class TandemMultiConnector(MultiConnector):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Called once per step by the worker and by the scheduler. Returns the counters
-        since the last call (then resets them), or None when all are zero. The children's
+        of the children that changed since the last call (then resets them), or None. The children's
         own stats are read here (which resets them) and folded into byte/token counts."""
         for name, c in zip(self._names, self._connectors):
             child_stats = c.get_kv_connector_stats()
             if child_stats is not None and not child_stats.is_empty():
                 self._counters[name].add(_child_transfer_counts(child_stats))
-        if all(c.is_zero() for c in self._counters.values()):
+        changed = {name: c for name, c in self._counters.items() if not c.is_zero()}
+        if not changed:
             return None
-        stats = TandemMultiStats(
-            data=msgspec.to_builtins(StatsPayload(children=self._counters))
-        )
+        stats = TandemMultiStats(data=msgspec.to_builtins(StatsPayload(children=changed)))
         self._counters = {name: ChildCounters() for name in self._names}
         return stats
 
