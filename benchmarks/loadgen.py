@@ -321,7 +321,8 @@ async def run_load(
     schedule = arrival_times(len(measured), rate, arrival, seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
-        with tqdm(total=len(measured), desc=label or "bench", unit="req", disable=not progress) as bar:
+        bar = tqdm(total=len(measured), desc=label or "bench", unit="req", disable=not progress)
+        with bar:
             sender = _Sender(client, config, extra_body or {}, bar)
             await _warm_up(sender, requests[:warmup])
             bar.reset()

@@ -199,3 +199,73 @@ def test_bisection_returns_none_when_low_already_fails() -> None:
 def test_bisection_rejects_an_empty_interval() -> None:
     with pytest.raises(ValueError):
         bisect_goodput(lambda rate: 1.0, 4.0, 2.0)
+
+
+# Reports: the table shows these figures, the files hold them.
+
+
+def _run(label: str, rate: float, results: list[RequestResult], metrics: dict[str, float]):
+    from benchmarks.loadgen import Environment, RunConfig, RunResult
+
+    config = RunConfig(
+        base_url="http://127.0.0.1:1",
+        model="m",
+        label=label,
+        rate=rate,
+        concurrency=None,
+        arrival="poisson",
+        seed=0,
+        warmup=0,
+        duration_s=None,
+        max_requests=None,
+        ignore_eos=True,
+        request_timeout_s=60.0,
+    )
+    env = Environment("host", "linux", 2, "3.11", {}, "2025-01-01T00:00:00+00:00")
+    summary = summarize(results, duration_s=2.0, slo=SLO_200_50, server_metrics=metrics)
+    return RunResult(config, env, summary, results)
+
+
+def _two_requests() -> list[RequestResult]:
+    return [
+        _request([0.1, 0.2, 0.3], latency=0.3, output_tokens=3),
+        _request([0.1, 0.12], latency=0.14, output_tokens=3),
+    ]
+
+
+def test_markdown_table_shows_the_run_figures() -> None:
+    from benchmarks.report import markdown_table
+
+    metrics = {"tandem_kv_bytes_total": 4096.0, "tandem_fallbacks_total": 1.0}
+    run = _run("1P1D", 2.0, _two_requests(), metrics)
+    header, _, row = markdown_table([run], per_request=["tandem_kv_bytes_total"]).splitlines()
+    cells = dict(zip(header.strip("| ").split(" | "), row.strip("| ").split(" | ")))
+    assert cells["Scenario"] == "1P1D" and cells["Rate (req/s)"] == "2.00"
+    assert cells["OK / failed"] == "2 / 0"
+    assert cells["TTFT p50 / p99 (ms)"] == "100.0 / 100.0"
+    assert cells["SLO attainment"] == "50.0%"  # tpot 100 ms misses, tpot 20 ms meets
+    assert cells["Goodput (req/s)"] == "0.50"
+    assert cells["tandem_kv_bytes_total / request"] == "2,048"  # 4096 bytes over 2 requests
+    assert cells["tandem_fallbacks_total"] == "1"
+
+
+def test_write_report_writes_json_table_and_plots(tmp_path) -> None:
+    from benchmarks.report import load_json, plot_phase_breakdown, write_report
+
+    runs = {
+        "colocated": [_run("colocated", r, _two_requests(), {}) for r in (1.0, 2.0)],
+        "1P1D": [_run("1P1D", r, _two_requests(), {}) for r in (1.0, 2.0)],
+    }
+    written = write_report(runs, tmp_path)
+    jsons = [f"{s}-{k:02d}-rate-{k + 1}.json" for s in ("colocated", "1P1D") for k in (0, 1)]
+    expected = [*jsons, "results.md", "latency.png", "goodput.png"]
+    assert sorted(p.name for p in written) == sorted(expected)
+    assert load_json(tmp_path / "1P1D-01-rate-2.json") == runs["1P1D"][1]
+    phases = {
+        "colocated": {"prefill": 0.2, "decode": 1.0},
+        "1P1D": {"prefill": 0.1, "transfer": 0.01, "decode": 0.9},
+    }
+    written.append(plot_phase_breakdown(phases, tmp_path / "phases.png"))
+    for path in written:
+        if path.suffix == ".png":
+            assert path.read_bytes().startswith(b"\x89PNG")

@@ -42,9 +42,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     folder: Path = tmp_path_factory.mktemp("tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(
-        folder
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
     return load_tokenizer(folder)
 
 
@@ -115,7 +114,9 @@ def test_conversations_share_one_system_prompt() -> None:
 
 
 def test_conversation_history_holds_a_reply_of_the_previous_max_tokens() -> None:
-    workload = ConversationWorkload(turns=2, system_len=3, user_len=Fixed(2), reply_len=Uniform(5, 9))
+    workload = ConversationWorkload(
+        turns=2, system_len=3, user_len=Fixed(2), reply_len=Uniform(5, 9)
+    )
     first, second = workload.sample(2, seed=5)
     reply = second.prompt[len(first.prompt) :].split("\n")[0]
     assert len(reply.split()) == first.max_tokens
