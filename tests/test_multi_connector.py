@@ -6,12 +6,22 @@ module's path, so the tests exercise the same resolution an engine does.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
-from vllm.config import KVTransferConfig, VllmConfig
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -24,9 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
 from connectors.multi import ChildCounters, TandemMultiConnector, TandemMultiStats, parse_stats
 from connectors.registry import ConnectorError
@@ -415,3 +429,130 @@ def test_stats_survive_serialisation_and_aggregate_like_vllm_does() -> None:
         "KV Transfer metrics: Alpha.hits=4, Alpha.tokens_loaded=64, Beta.bytes_saved=128"
     ]
 
+
+
+# ---- with vLLM's real scheduler: the re-query that turns into a fallback ----
+
+TINY_MODEL = Path.home() / ".cache" / "tandem" / "tiny-llama-v1"
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model_config() -> ModelConfig:
+    if not (TINY_MODEL / "config.json").exists():
+        pytest.skip(f"tiny model not prepared at {TINY_MODEL}")
+    return ModelConfig(model=str(TINY_MODEL), dtype="float32", skip_tokenizer_init=True)
+
+
+def make_scheduler(model_config: ModelConfig, children: list[dict[str, Any]]) -> Scheduler:
+    """A real vLLM Scheduler (no model runner) whose connector is TandemMultiConnector."""
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+            is_encoder_decoder=False,
+            disable_hybrid_kv_cache_manager=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TandemMultiConnector",
+            kv_connector_module_path="connectors.multi",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"connectors": children},
+        ),
+    )
+    config.cache_config.num_gpu_blocks = 64
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+    )
+
+
+def admit_48_token_prompt(scheduler: Scheduler) -> Request:
+    """Add a 3-block prompt; the first schedule() starts Alpha's async load of 32 tokens."""
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=4)
+    params.update_from_generation_config({}, 2)
+    req = Request(
+        request_id="r1",
+        prompt_token_ids=list(range(100, 148)),
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+    scheduler.add_request(req)
+    return req
+
+
+def report(scheduler: Scheduler, output: Any, connector_output: KVConnectorOutput) -> None:
+    """A model runner step that only carries the connector's transfer results."""
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=[],
+            req_id_to_index={},
+            sampled_token_ids=[],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=connector_output,
+        ),
+    )
+
+
+def test_vllm_scheduler_requeries_after_a_failed_async_load_and_loads_from_the_next_child(
+    model_config: ModelConfig,
+) -> None:
+    scheduler = make_scheduler(
+        model_config, [child("Alpha", matched=32, load_async=True), child("Beta", matched=32)]
+    )
+    req = admit_48_token_prompt(scheduler)
+    first = scheduler.schedule()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    report(scheduler, first, KVConnectorOutput(finished_recving={"r1"}, failed_recving={"r1"}))
+    second = scheduler.schedule()
+    alpha, beta = kids(scheduler.connector)  # type: ignore[arg-type]
+    assert (alpha.lookups, beta.lookups) == (1, 2)
+    assert beta.allocs[-1] == ("r1", 32)
+    assert second.num_scheduled_tokens == {"r1": 48 - 32}  # Beta's 32 tokens are loaded
+
+
+def test_vllm_scheduler_recomputes_when_no_other_child_has_the_tokens(
+    model_config: ModelConfig,
+) -> None:
+    scheduler = make_scheduler(model_config, [child("Alpha", matched=32, load_async=True), child("Beta")])
+    admit_48_token_prompt(scheduler)
+    first = scheduler.schedule()
+    # Every block of the load failed: nothing valid is left, so vLLM re-queries.
+    (block_ids,) = scheduler.kv_cache_manager.get_block_ids("r1")
+    report(scheduler, first, KVConnectorOutput(finished_recving={"r1"}, invalid_block_ids=set(block_ids)))
+    second = scheduler.schedule()
+    assert [k.lookups for k in kids(scheduler.connector)] == [1, 2]  # type: ignore[arg-type]
+    assert second.num_scheduled_tokens == {"r1": 48}
+
+
+def test_vllm_scheduler_recomputes_the_tail_of_a_partly_failed_load_without_asking_again(
+    model_config: ModelConfig,
+) -> None:
+    scheduler = make_scheduler(
+        model_config, [child("Alpha", matched=32, load_async=True), child("Beta", matched=32)]
+    )
+    admit_48_token_prompt(scheduler)
+    first = scheduler.schedule()
+    (block_ids,) = scheduler.kv_cache_manager.get_block_ids("r1")
+    report(scheduler, first, KVConnectorOutput(finished_recving={"r1"}, invalid_block_ids={block_ids[1]}))
+    second = scheduler.schedule()
+    assert [k.lookups for k in kids(scheduler.connector)] == [1, 1]  # type: ignore[arg-type]
+    assert second.num_scheduled_tokens == {"r1": 48 - BLOCK_SIZE}  # first block stays valid
