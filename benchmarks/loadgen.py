@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
 from benchmarks.stats import SLO, RequestResult, RunSummary, summarize
-from benchmarks.workloads import BenchRequest, Workload
+from benchmarks.workloads import BenchRequest, WorkloadSpec
 
 Arrival = Literal["poisson", "constant"]
 
@@ -48,6 +48,7 @@ class RunConfig(msgspec.Struct, frozen=True):
     max_requests: int | None  # most measured requests sent
     ignore_eos: bool
     request_timeout_s: float
+    workload: WorkloadSpec | None = None  # what generated the requests, when known
 
 
 class Environment(msgspec.Struct, frozen=True):
@@ -81,11 +82,23 @@ class _Choice(msgspec.Struct):
 
 
 class _Chunk(msgspec.Struct):
-    """The parts of a streamed completion chunk the load generator reads."""
+    """The parts of a streamed completion chunk the load generator reads.
+
+    A server reports an error raised mid-stream as a chunk: `{"error": {...}}`, or in older
+    vLLM releases `{"object": "error", "message": ...}`.
+    """
 
     choices: list[_Choice] = []
     usage: _Usage | None = None
-    error: Any = None  # vLLM reports an error raised mid-stream as a chunk
+    error: Any = None
+    object: str = ""
+    message: str = ""
+
+    @property
+    def error_text(self) -> str | None:
+        if self.error is not None:
+            return str(self.error)
+        return self.message or "error" if self.object == "error" else None
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
@@ -177,8 +190,8 @@ async def _stream_one(
                     if data == "[DONE]":
                         break
                     chunk = _decode_chunk(data)
-                    if chunk.error is not None:
-                        error = f"stream error: {chunk.error}"
+                    if chunk.error_text is not None:
+                        error = f"stream error: {chunk.error_text}"
                         break
                     if chunk.choices and chunk.choices[0].text:
                         token_times.append(time.perf_counter() - sent)
@@ -287,6 +300,7 @@ async def run_load(
     metric_names: Collection[str] = (),
     request_timeout_s: float = 600.0,
     label: str = "",
+    workload: WorkloadSpec | None = None,
     progress: bool = True,
 ) -> RunResult:
     """Drive one run against `base_url` and measure it.
@@ -296,7 +310,8 @@ async def run_load(
     (requests already sent are then awaited). Requests are never repeated: size the list for
     the run. `ignore_eos` makes output lengths exact on vLLM-based servers; `extra_body` adds
     fields to every request. `metric_names` are `/metrics` samples whose growth during the
-    measured phase lands in the summary's `server_metrics`.
+    measured phase lands in the summary's `server_metrics`. `workload`, if given, is only
+    recorded in the config.
     """
     if warmup < 0 or (concurrency is not None and concurrency < 1):
         raise ValueError("warmup must be >= 0 and concurrency >= 1")
@@ -313,6 +328,7 @@ async def run_load(
         max_requests=max_requests,
         ignore_eos=ignore_eos,
         request_timeout_s=request_timeout_s,
+        workload=workload,
     )
     env = environment()
     measured = requests[warmup:]
@@ -359,7 +375,7 @@ async def _measure(
 async def run_sweep(
     base_url: str,
     model: str,
-    workload: Workload,
+    workload: WorkloadSpec,
     num_requests: int,
     *,
     rates: Sequence[float] | None = None,
@@ -383,5 +399,5 @@ async def run_sweep(
     for k, value in enumerate(rates if rates is not None else concurrencies):
         requests = workload.sample(warmup + num_requests, seed + k, tokenizer)
         kwargs = {**run_kwargs, key: value, "seed": seed + k, "warmup": warmup}
-        results.append(await run_load(base_url, model, requests, **kwargs))
+        results.append(await run_load(base_url, model, requests, workload=workload, **kwargs))
     return results
