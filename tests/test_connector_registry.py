@@ -229,3 +229,14 @@ def test_hma_support_requires_every_child_to_support_it() -> None:
     assert not supports_hma_config(
         multi("TandemMultiConnector", [entry("NixlConnector", None), entry("GoodConnector")])
     )
+
+
+def test_module_whose_dependency_is_missing_names_the_dependency(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "needs_missing_dep.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        ConnectorError, match="'needs_missing_dep' imports 'no_such_dependency', which is not installed"
+    ):
+        resolve_connector("Conn", "needs_missing_dep")
