@@ -151,8 +151,14 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         return {"prefill": self.prefill or PoolConfig(), "decode": self.decode or PoolConfig()}
 
     def engine_args_for(self, role: str) -> dict[str, Any]:
-        """Top-level engine args with the pool's overrides applied."""
-        return {**self.engine_args, **self.pools[role].engine_args}
+        """Top-level engine args with the pool's overrides applied.
+
+        On CPU hosts `enforce_eager` defaults to true: torch.compile's warm-up costs about
+        45 s per engine on a small host, which start-up targets cannot afford; set it to
+        false to trade start-up time for compiled kernels.
+        """
+        defaults: dict[str, Any] = {"enforce_eager": True} if self.device == "cpu" else {}
+        return {**defaults, **self.engine_args, **self.pools[role].engine_args}
 
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)

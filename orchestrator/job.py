@@ -16,7 +16,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import msgspec
 import ray
 from ray import serve
 
@@ -43,32 +46,30 @@ def init_ray(cfg: TandemConfig, address: str | None) -> bool:
     return True
 
 
-def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
-    """Start everything, announce readiness, block until SIGINT/SIGTERM, tear everything down."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    t0 = time.perf_counter()
+class Running(msgspec.Struct, frozen=True):
+    """A deployment that is up: where to reach it and what runs it."""
+
+    url: str
+    deployment: Deployment
+    embedded_ray: bool
+
+
+@contextmanager
+def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = True) -> Iterator[Running]:
+    """Deploy `cfg` and serve it; on exit remove the app, stop the engines, free the reservations.
+
+    With own_ray=False, Ray must already be initialised (tests and benchmarks share one).
+    """
     preflight(cfg)
-    embedded = init_ray(cfg, address)
+    embedded = init_ray(cfg, address) if own_ray else False
     deployment = Deployment(cfg)
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         engines = deployment.start()
-        if stop.is_set():
-            return
         app = build_ingress(cfg, engines, min(i.max_model_len for i in deployment.infos))
         serve.run(app, name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
         host = ray.util.get_node_ip_address() if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
-        shape = " + ".join(f"{p.replicas} {role}" for role, p in cfg.pools.items())
-        print(
-            f"Tandem ready: serving {cfg.model.name!r} ({shape}) at http://{host}:{cfg.serve.port}/v1 "
-            f"after {time.perf_counter() - t0:.0f} s; Ctrl-C to stop",
-            flush=True,
-        )
-        while not stop.wait(1.0):
-            pass
-        logger.info("stop requested; tearing down")
+        yield Running(f"http://{host}:{cfg.serve.port}/v1", deployment, embedded)
     finally:
         try:
             serve.delete(cfg.serve.app_name)
@@ -77,8 +78,27 @@ def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
         deployment.stop()
         if embedded:
             serve.shutdown()
-        ray.shutdown()
-        logger.info("stopped")
+        if own_ray:
+            ray.shutdown()
+
+
+def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
+    """Start everything, announce readiness, block until SIGINT/SIGTERM, tear everything down."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    t0 = time.perf_counter()
+    with running(cfg, address) as up:
+        shape = " + ".join(f"{p.replicas} {role}" for role, p in cfg.pools.items())
+        print(
+            f"Tandem ready: serving {cfg.model.name!r} ({shape}) at {up.url} "
+            f"after {time.perf_counter() - t0:.0f} s; Ctrl-C to stop",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            pass
+        logger.info("stop requested; tearing down")
+    logger.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

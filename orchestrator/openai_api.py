@@ -82,7 +82,8 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # A string, a list of token ids, or a one-element list of either (checked by the ingress).
+    prompt: str | list[Any]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

@@ -144,6 +144,8 @@ class OpenAIIngress:
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt).input_ids
         else:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ApiError(400, "prompt must be a string or a list of token ids (integers)", param="prompt")
             ids = list(prompt)
             vocab = len(self.tokenizer)
             if bad := [t for t in ids if not 0 <= t < vocab]:
