@@ -84,11 +84,19 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
 
 def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
     """Start everything, announce readiness, block until SIGINT/SIGTERM, tear everything down."""
-    stop = threading.Event()
+    stop, ready = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        # Before readiness, interrupt start-up (running() still tears down what started).
+        if not ready.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     t0 = time.perf_counter()
     with running(cfg, address) as up:
+        ready.set()
         shape = " + ".join(f"{p.replicas} {role}" for role, p in cfg.pools.items())
         print(
             f"Tandem ready: serving {cfg.model.name!r} ({shape}) at {up.url} "
