@@ -54,6 +54,8 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extension: also return the prompt's and the output's token ids.
+    return_token_ids: bool = False
     user: str | None = None
 
     def sampling(self, max_tokens: int) -> SamplingOptions:

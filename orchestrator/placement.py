@@ -79,19 +79,24 @@ def assign_slots(
     bind_cores: bool,
     model_source: str,
 ) -> list[EngineSlot]:
-    """Give every engine a distinct side-channel port on its node and its own cores.
+    """Give every engine a distinct side-channel port on its host and its own cores.
 
-    `replica_nodes[i]` is the node engine i was placed on; engines on one node get ports
-    base_port, base_port+1, ... in order, so replicas sharing a node never collide.
+    `replica_nodes[i]` is the node engine i was placed on. Ports are counted per node IP,
+    not per Ray node, so several Ray nodes on one host (ray.cluster_utils.Cluster, or
+    raylets sharing a machine) never hand out the same port twice. Cores are split among
+    the engines of each Ray node, which is what its affinity mask covers.
     """
     facts = node_facts(set(replica_nodes), model_source)
     per_node: dict[str, list[int]] = defaultdict(list)
+    per_ip: dict[str, list[int]] = defaultdict(list)
     for i, nid in enumerate(replica_nodes):
         per_node[nid].append(i)
+        per_ip[facts[nid].node_ip].append(i)
     slots: list[EngineSlot] = []
     for i, nid in enumerate(replica_nodes):
-        k = per_node[nid].index(i)
-        n = len(per_node[nid])
-        binding = split_cores(facts[nid].cores, n, k, tp_sizes[i]) if bind_cores else None
-        slots.append(EngineSlot(nid, facts[nid].node_ip, facts[nid].model_path, base_port + k, binding))
+        f = facts[nid]
+        k, n = per_node[nid].index(i), len(per_node[nid])
+        binding = split_cores(f.cores, n, k, tp_sizes[i]) if bind_cores else None
+        port = base_port + per_ip[f.node_ip].index(i)
+        slots.append(EngineSlot(nid, f.node_ip, f.model_path, port, binding))
     return slots

@@ -133,7 +133,7 @@ class OpenAIIngress:
         if req.stream:
             self.metrics.observe_request(endpoint, 200)
             return StreamingResponse(self._stream(endpoint, rid, req, chunks, trace, len(prompt_ids)), media_type="text/event-stream")
-        return await self._complete(endpoint, rid, chunks, trace, len(prompt_ids))
+        return await self._complete(endpoint, rid, req, chunks, trace, prompt_ids)
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt: Any = req.prompt
@@ -175,26 +175,39 @@ class OpenAIIngress:
             )
         return asked if asked is not None else room
 
-    async def _complete(self, endpoint: str, rid: str, chunks: AsyncIterator[EngineChunk], trace: RequestTrace, num_prompt: int) -> Response:
-        text, n_out, last = [], 0, None
+    async def _complete(
+        self,
+        endpoint: str,
+        rid: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        chunks: AsyncIterator[EngineChunk],
+        trace: RequestTrace,
+        prompt_ids: list[int],
+    ) -> Response:
+        text, token_ids, last = [], [], None
         try:
             async for c in chunks:
                 text.append(c.text)
-                n_out += len(c.token_ids)
+                token_ids.extend(c.token_ids)
                 last = c
         except (RayActorError, RayTaskError) as err:
             api_err = _engine_error(err)
             self.metrics.observe_request(endpoint, api_err.status)
             return JSONResponse(api_err.body(), status_code=api_err.status)
         self.metrics.observe_request(endpoint, 200)
-        self.metrics.observe_trace(trace, num_prompt, n_out)
+        self.metrics.observe_trace(trace, len(prompt_ids), len(token_ids))
         finish = last.finish_reason if last else None
-        u = usage(num_prompt, n_out, trace.num_cached_tokens)
+        u = usage(len(prompt_ids), len(token_ids), trace.num_cached_tokens)
+        extra = {"token_ids": token_ids} if req.return_token_ids else {}
+        body: dict[str, Any] = {"id": rid, "created": now(), "model": self.model_name, "usage": u}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
         if endpoint == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None, "finish_reason": finish}
-            return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name, "choices": [choice], "usage": u})
-        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish}
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name, "choices": [choice], "usage": u})
+            message = {"role": "assistant", "content": "".join(text)}
+            body |= {"object": "chat.completion", "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, **extra}]}
+        else:
+            body |= {"object": "text_completion", "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish, **extra}]}
+        return JSONResponse(body)
 
     async def _stream(
         self,

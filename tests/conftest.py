@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny model, a loopback Ray per test module, free ports.
+
+Engine-backed fixtures live in the modules that use them and are module-scoped, so at
+most a few tiny-model engines are alive at once (each takes 2-3 GB).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from orchestrator.tiny_model import prepare_tiny_model
+
+    return prepare_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """An embedded single-node Ray bound to loopback, for one test module."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
