@@ -1,0 +1,131 @@
+"""Config parsing and `tandem validate`: every broken config is refused, naming the problem."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import ConfigError, TandemConfig, load_config, parse_config
+from orchestrator.deploy import kv_transfer_for
+from orchestrator.preflight import preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.*"))
+
+
+def test_default_is_tiny_1p1d_on_cpu() -> None:
+    cfg = TandemConfig()
+    assert cfg.model.source == "builtin:tiny"
+    assert cfg.disaggregated
+    assert {r: p.replicas for r, p in cfg.pools.items()} == {"prefill": 1, "decode": 1}
+    assert (cfg.serve.host, cfg.serve.port) == ("127.0.0.1", 8000)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_load(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.pools
+
+
+def test_yaml_toml_json_give_the_same_config(tmp_path: Path) -> None:
+    data = {"model": {"source": "builtin:tiny"}, "prefill": {"replicas": 2}, "decode": {"replicas": 1}}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    (tmp_path / "c.yaml").write_text("model: {source: 'builtin:tiny'}\nprefill: {replicas: 2}\ndecode: {replicas: 1}\n")
+    (tmp_path / "c.toml").write_text("[model]\nsource = 'builtin:tiny'\n[prefill]\nreplicas = 2\n[decode]\nreplicas = 1\n")
+    json_cfg, yaml_cfg, toml_cfg = (load_config(tmp_path / f"c.{ext}") for ext in ("json", "yaml", "toml"))
+    assert json_cfg == yaml_cfg == toml_cfg
+    assert json_cfg.pools["prefill"].replicas == 2
+
+
+def test_unknown_field_is_named_with_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"`prefill\.replica`.*replicas"):
+        parse_config({"prefill": {"replica": 2}, "decode": {}})
+
+
+def test_negative_replicas_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"`decode\.replicas`.*>= 1"):
+        parse_config({"prefill": {}, "decode": {"replicas": -1}})
+
+
+def test_wrong_type_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"`serve\.port`"):
+        parse_config({"serve": {"port": "eighty"}})
+
+
+def test_half_a_disaggregated_deployment_rejected() -> None:
+    with pytest.raises(ConfigError, match="add a `decode` section"):
+        parse_config({"prefill": {"replicas": 1}})
+
+
+def test_colocated_excludes_pools() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        parse_config({"colocated": {}, "prefill": {}, "decode": {}})
+
+
+def test_reserved_engine_args_point_to_the_right_field() -> None:
+    with pytest.raises(ConfigError, match=r"`prefill\.engine_args\.tensor_parallel_size`.*tensor_parallel_size"):
+        parse_config({"prefill": {"engine_args": {"tensor_parallel_size": 2}}, "decode": {}})
+
+
+def test_pool_engine_args_override_top_level() -> None:
+    cfg = parse_config({"engine_args": {"max_model_len": 512, "seed": 1}, "prefill": {"engine_args": {"seed": 7}}, "decode": {}})
+    assert cfg.engine_args_for("prefill") == {"enforce_eager": True, "max_model_len": 512, "seed": 7}
+    assert cfg.engine_args_for("decode")["seed"] == 1
+
+
+def test_kv_roles_follow_the_pool() -> None:
+    cfg = TandemConfig()
+    assert kv_transfer_for(cfg, "prefill")["kv_role"] == "kv_producer"
+    assert kv_transfer_for(cfg, "decode")["kv_role"] == "kv_consumer"
+    assert kv_transfer_for(parse_config({"colocated": {}}), "both") is None
+
+
+def test_preflight_missing_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.source.*no config.json"):
+        preflight(parse_config({"model": {"source": str(tmp_path / "nowhere")}}))
+
+
+def test_preflight_unknown_engine_arg() -> None:
+    with pytest.raises(ConfigError, match=r"`engine_args\.max_model_length` is not a vLLM engine argument"):
+        preflight(parse_config({"engine_args": {"max_model_length": 10}}))
+
+
+def test_preflight_bad_connector_name() -> None:
+    with pytest.raises(ConfigError, match="NoSuchConnector"):
+        preflight(parse_config({"kv_transfer": {"connector": "NoSuchConnector"}}))
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "validate", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def test_validate_cli_accepts_an_example() -> None:
+    res = _validate(ROOT / "examples" / "1p1d-cpu.yaml")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("OK ")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("prefill: {replicas: 1, colour: red}\ndecode: {}\n", "prefill.colour"),
+        ("prefill: {replicas: -2}\ndecode: {}\n", "prefill.replicas"),
+        ("kv_transfer: {connector: NotAConnector}\n", "NotAConnector"),
+        ("model: {source: /definitely/not/here}\n", "model.source"),
+        ("prefill: [1, 2\n", "not valid YAML"),
+    ],
+    ids=["unknown-field", "negative-replicas", "bad-connector", "missing-model", "bad-yaml"],
+)
+def test_validate_cli_rejects_broken_configs(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    res = _validate(path)
+    assert res.returncode == 2
+    assert expected in res.stderr
+    assert "Traceback" not in res.stderr
