@@ -97,5 +97,9 @@ class EngineStats(msgspec.Struct):
     # "external_kv_transfer" (loaded through the KV connector instead of recomputed).
     prompt_tokens_by_source: dict[str, int] = {}
     transfers: TransferStats = msgspec.field(default_factory=TransferStats)
+    # Engine-side phases summed over the requests vLLM reported finished (num_timed_requests):
+    # "queue" (arrival to first scheduled) and "prefill" (scheduled to first token).
+    num_timed_requests: int = 0
+    phase_seconds: dict[str, float] = {}
     # Raw per-connector counters reported by Tandem's connectors (name -> counter -> value).
     connector_counters: dict[str, dict[str, float]] = {}

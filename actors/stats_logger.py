@@ -52,6 +52,10 @@ class TandemStatLogger(StatLoggerBase):
                 ("external_kv_transfer", p.external_kv_transfer),
             ):
                 by_source[source] = by_source.get(source, 0) + n
+            for finished in iteration_stats.finished_requests:
+                s.num_timed_requests += 1
+                for phase, seconds in (("queue", finished.queued_time), ("prefill", finished.prefill_time)):
+                    s.phase_seconds[phase] = s.phase_seconds.get(phase, 0.0) + seconds
 
     def log_engine_initialized(self) -> None:
         pass

@@ -39,6 +39,8 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
     usage = fam(GaugeMetricFamily, "tandem_engine_kv_cache_usage", "Fraction of the engine's KV cache in use")
     inflight = fam(GaugeMetricFamily, "tandem_router_outstanding_requests", "Requests the router has in flight on the engine")
     conn = fam(CounterMetricFamily, "tandem_connector_events", "Counters reported by Tandem's KV connectors", ["connector", "event"])
+    timed = fam(CounterMetricFamily, "tandem_engine_timed_requests", "Finished requests whose engine-side phases are summed in tandem_engine_phase_seconds")
+    phase = fam(CounterMetricFamily, "tandem_engine_phase_seconds", "Engine-side time by phase: queue (to first scheduled), prefill (to first token)", ["phase"])
     for s in stats:
         lv = [app, s.role, s.engine_id]
         t = s.transfers
@@ -63,7 +65,10 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
         for name, counters in s.connector_counters.items():
             for event, value in counters.items():
                 conn.add_metric(lv + [name, event], value)
-    return [kv_bytes, kv_num, kv_failed, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn]
+        timed.add_metric(lv, s.num_timed_requests)
+        for name, seconds in s.phase_seconds.items():
+            phase.add_metric(lv + [name], seconds)
+    return [kv_bytes, kv_num, kv_failed, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn, timed, phase]
 
 
 class _EngineCollector:
@@ -92,6 +97,7 @@ class TandemMetrics:
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first output token, at the router", ["app"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_request_latency_seconds", "Arrival to last output token, at the router", ["app"], buckets=LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("tandem_prefill_phase_seconds", "Arrival to the prefill engine's answer (disaggregated only)", ["app"], buckets=LATENCY_BUCKETS, registry=r)
+        self.phases = Histogram("tandem_request_phase_seconds", "Router-timed phases of a request (see RequestTrace.phases)", ["app", "phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("tandem_requests_in_flight", "Requests being served", ["app"], registry=r)
         self._engines = _EngineCollector(app)
         r.register(self._engines)
@@ -111,6 +117,8 @@ class TandemMetrics:
             self.e2e.labels(self.app).observe(trace.t_done - trace.t_arrival)
         if trace.t_prefill_done is not None:
             self.prefill.labels(self.app).observe(trace.t_prefill_done - trace.t_arrival)
+        for name, seconds in trace.phases().items():
+            self.phases.labels(self.app, name).observe(seconds)
 
     def render(self, engine_stats: Sequence[EngineStats], outstanding: dict[str, int]) -> bytes:
         """The Prometheus text page, with the engine stats fetched for this scrape."""

@@ -73,8 +73,24 @@ class RequestTrace(msgspec.Struct):
     fallback: str | None = None
     t_arrival: float = 0.0
     t_prefill_done: float | None = None
+    # When the request that streams the output left for its engine (decode or colocated).
+    t_decode_sent: float | None = None
     t_first_token: float | None = None
     t_done: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """Seconds spent in each phase this request reached, in order (for /metrics and benchmarks).
+
+        prefill: arrival to the prefill engine's answer (disaggregated only); route: to the
+        decode (or colocated) request leaving; first_token: to its first token (KV pull and
+        first decode step, or queue and prefill when colocated); decode: to the last token.
+        """
+        marks = (("prefill", self.t_prefill_done), ("route", self.t_decode_sent), ("first_token", self.t_first_token), ("decode", self.t_done))
+        out, last = {}, self.t_arrival
+        for name, t in marks:
+            if t is not None:
+                out[name], last = t - last, t
+        return out
 
 
 async def stream_engine(engine: EngineRef, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -134,6 +150,7 @@ class Router:
         trace.decode_engine = engine.engine_id
         req = EngineRequest(f"{request_id}-d" if self.disaggregated else request_id, prompt_token_ids, sampling, kv_params)
         picker.acquire(engine)
+        trace.t_decode_sent = time.perf_counter()
         try:
             async for chunk in stream_engine(engine, req):
                 if trace.t_first_token is None and chunk.token_ids:
