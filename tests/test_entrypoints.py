@@ -1,0 +1,133 @@
+"""`tandem serve` and `ray job submit ... orchestrator.job` as a user runs them.
+
+Each starts its own Ray (embedded, or a `ray start --head` cluster), serves a real 1P1D
+deployment, answers the official openai client, and leaves no process behind when stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+import yaml
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.engines
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+READY = re.compile(r"Tandem ready: serving 'tandem-tiny' \(1 prefill \+ 1 decode\) at (http://\S+/v1)")
+
+
+def write_config(tmp_path: Path) -> Path:
+    path = tmp_path / "tandem.yaml"
+    cfg = {
+        "engine_args": {"max_model_len": 512},
+        "serve": {"port": free_port()},
+        "kv_transfer": {"side_channel_base_port": free_port()},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def wait_for(pattern: re.Pattern[str], read: callable, timeout: float, what: str) -> re.Match[str]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if m := pattern.search(read()):
+            return m
+        time.sleep(2)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s; output so far:\n{read()[-4000:]}")
+
+
+def ask(url: str) -> None:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    r = client.completions.create(model="tandem-tiny", prompt="hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    s = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True)
+    assert [c.choices[0].finish_reason for c in s if c.choices][-1] == "length"
+
+
+def engine_processes(root: psutil.Process) -> list[psutil.Process]:
+    """vLLM engine processes (engine actors, engine cores, workers) under `root`."""
+    out = []
+    for p in root.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "EngineActor" in cmd or "EngineCore" in cmd or "VLLM" in p.name():
+            out.append(p)
+    return out
+
+
+def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(BIN / "tandem"), "serve", str(write_config(tmp_path))], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        url = wait_for(READY, log.read_text, 420, "the ready line").group(1)
+        ask(url)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert engine_processes(psutil.Process(proc.pid)), "expected engine processes under tandem serve"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=180) == 0
+        time.sleep(3)
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture
+def ray_head(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A `ray start --head` cluster on loopback; yields (job-submission address, GCS address)."""
+    dash, gcs = free_port(), free_port()
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    cmd = [
+        str(BIN / "ray"), "start", "--head", "--num-cpus", "4", "--node-ip-address", "127.0.0.1",
+        "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+        "--include-dashboard", "true", "--disable-usage-stats",
+    ]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield f"http://127.0.0.1:{dash}", f"127.0.0.1:{gcs}"
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str], tmp_path: Path) -> None:
+    dashboard, gcs = ray_head
+    config = write_config(tmp_path)
+    env = {**os.environ, "RAY_ADDRESS": dashboard}
+    submit = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--no-wait", "--working-dir", str(ROOT), "--",
+         "python", "-m", "orchestrator.job", "--config", str(config)],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )
+    job_id = re.search(r"Job '([^']+)' submitted", submit.stdout).group(1)
+
+    def logs() -> str:
+        return subprocess.run([str(BIN / "ray"), "job", "logs", job_id], env=env, capture_output=True, text=True, timeout=60).stdout
+
+    url = wait_for(READY, logs, 480, "the job's ready line").group(1)
+    ask(url)
+    raylet = next(p for p in psutil.process_iter(["name", "cmdline"]) if p.info["name"] == "raylet" and gcs in " ".join(p.info["cmdline"] or []))
+    assert engine_processes(raylet)
+    subprocess.run([str(BIN / "ray"), "job", "stop", job_id], env=env, capture_output=True, timeout=300, check=True)
+    wait_for(re.compile("stopped|STOPPED"), lambda: logs() + subprocess.run(
+        [str(BIN / "ray"), "job", "status", job_id], env=env, capture_output=True, text=True, timeout=60).stdout, 180, "the job stopping")
+    deadline = time.time() + 120
+    while engine_processes(raylet):
+        assert time.time() < deadline, f"engines left behind: {[p.pid for p in engine_processes(raylet)]}"
+        time.sleep(2)

@@ -1,0 +1,245 @@
+"""The default 1P1D deployment, for real: Ray + two vLLM engines + NIXL + Ray Serve + openai.
+
+One deployment and one colocated reference engine serve the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.protocol import EngineRequest, SamplingOptions
+from orchestrator.config import parse_config
+from orchestrator.deploy import Deployment
+from orchestrator.job import Running, running
+from orchestrator.router import EngineRef, stream_engine
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.engines
+
+MAX_MODEL_LEN = 1024
+MODEL = "tandem-tiny"
+
+
+@pytest.fixture(scope="module")
+def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
+    cfg = parse_config(
+        {
+            "engine_args": {"max_model_len": MAX_MODEL_LEN},
+            "serve": {"port": free_port()},
+            "kv_transfer": {"side_channel_base_port": free_port()},
+        }
+    )
+    with running(cfg, own_ray=False) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local: None, tiny_model: object) -> Iterator[EngineRef]:
+    """A single colocated engine with the same model and engine args, no KV connector."""
+    dep = Deployment(parse_config({"engine_args": {"max_model_len": MAX_MODEL_LEN}, "colocated": {}, "serve": {"app_name": "reference"}}))
+    (engine,) = dep.start()
+    yield engine
+    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def client(pd: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pd.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(pd: Running) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(pd.url.removesuffix("/v1") + "/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def metric(m: dict, name: str, **labels: str) -> float:
+    """Sum of a sample over every label set containing `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in m.items() if n == name and want <= ls)
+
+
+def reference_tokens(engine: EngineRef, prompt: list[int], max_tokens: int) -> list[int]:
+    async def run() -> list[int]:
+        req = EngineRequest(f"ref-{random.random()}", prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        return [t async for c in stream_engine(engine, req) for t in c.token_ids]
+
+    return asyncio.run(run())
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]  # ids 0-2 are the special tokens
+
+
+# ---- the OpenAI API -----------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_health_reports_every_engine(pd: Running) -> None:
+    r = httpx.get(pd.url.removesuffix("/v1") + "/health", timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "ok", "engines": 2}
+
+
+def test_completion_with_usage(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=7, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.object == "text_completion"
+    assert r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"])
+    assert len(r.choices[0].model_extra["token_ids"]) == 7
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text
+
+
+def test_streamed_completion_equals_non_streamed(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="hello world data transfer", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 5
+    assert r.usage.prompt_tokens > 2  # the chat template's role markers count too
+
+
+def test_streamed_chat_equals_non_streamed(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "tell me about ray"}], max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_cached_tokens_reported_for_a_repeated_prompt(client: openai.OpenAI) -> None:
+    prompt = random_prompt(random.Random(99), 300)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The prefill engine's prefix cache holds the prompt's full blocks (block size 128).
+    assert cached == 256
+
+
+# ---- criterion 3: token-identical to one colocated engine ------------------------------------
+
+
+def test_disaggregated_greedy_output_matches_a_colocated_engine(client: openai.OpenAI, reference: EngineRef) -> None:
+    rng = random.Random(1234)
+    max_tokens = 16
+    lengths = [3, 7, 15, 31, 64, 100]  # short
+    lengths += [128, 129, 200, 256, 300, 385, 450, 513, 640]  # one to several KV blocks
+    lengths += [800, 900, 1000, MAX_MODEL_LEN - max_tokens - 1, MAX_MODEL_LEN - max_tokens]  # near max_model_len
+    assert len(lengths) >= 20
+    for n in lengths:
+        prompt = random_prompt(rng, n)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        got = r.choices[0].model_extra["token_ids"]
+        assert got == reference_tokens(reference, prompt, max_tokens), f"prompt of {n} tokens diverged"
+
+
+# ---- criterion 4: the KV really moved ---------------------------------------------------------
+
+
+def test_decode_engine_loads_the_prompt_over_nixl(pd: Running, client: openai.OpenAI) -> None:
+    prompt = random_prompt(random.Random(7), 400)
+    before = metrics(pd)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    after = metrics(pd)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    loaded = delta("tandem_prompt_tokens_total", pool="decode", source="external_kv_transfer")
+    recomputed = delta("tandem_prompt_tokens_total", pool="decode", source="local_compute")
+    assert loaded == 400, "the decode engine must take every prompt token from the prefill engine's KV"
+    assert recomputed == 0
+    assert delta("tandem_prompt_tokens_total", pool="prefill", source="local_compute") == 400
+    # 400 tokens = 4 blocks of 128 at 2 layers x K,V x 2 heads x 32 dims x 2 bytes = 32 KiB per block per layer.
+    assert delta("tandem_kv_transfer_bytes_total", pool="decode") == 4 * 2 * 32768
+    assert delta("tandem_kv_transfers_total", pool="decode") == 1
+    assert delta("tandem_kv_transfer_bytes_total", pool="prefill") == 0
+    assert delta("tandem_fallbacks_total") == 0
+
+
+# ---- criterion 5: bad input gets a 4xx and the server keeps serving ------------------------------
+
+
+BAD_REQUESTS = [
+    ("completions", b"{not json", 400, "not valid JSON"),
+    ("completions", b"", 400, "empty"),
+    ("completions", b'{"model": "tandem-tiny"}', 400, "prompt"),
+    ("chat/completions", b'{"model": "tandem-tiny"}', 400, "messages"),
+    ("chat/completions", b'{"model": "tandem-tiny", "messages": []}', 400, "messages"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": -5}', 400, "max_tokens"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": 42}', 400, "prompt"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": [1, "x"]}', 400, "prompt"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": [5000000]}', 400, "vocabulary"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "n": 3}', 400, "n=1"),
+    ("completions", b'{"model": "gpt-5", "prompt": "hi"}', 404, "gpt-5"),
+    ("chat/completions", b'{"model": "tandem-tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "role"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": 5000}', 400, "maximum context length"),
+    ("completions", b'{"model": "tandem-tiny", "prompt": ' + str(list(range(3, 1003)) * 2).encode() + b"}", 400, "maximum context length"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD_REQUESTS, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_a_clear_4xx(pd: Running, client: openai.OpenAI, path: str, body: bytes, status: int, needle: str) -> None:
+    r = httpx.post(f"{pd.url}/{path}", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] or needle == err["param"], err
+    ok = client.completions.create(model=MODEL, prompt="still serving?", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_bad_input_is_an_openai_client_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_client_disconnect_aborts_decode(pd: Running, client: openai.OpenAI) -> None:
+    before = metric(metrics(pd), "tandem_engine_requests_aborted_total", pool="decode")
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{pd.url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one event arrives, then the client hangs up
+    deadline = time.time() + 60
+    while metric(metrics(pd), "tandem_engine_requests_aborted_total", pool="decode") <= before:
+        assert time.time() < deadline, "the decode engine never aborted the abandoned request"
+        time.sleep(0.5)
+    assert client.completions.create(model=MODEL, prompt="next", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+
+
+def test_metrics_page_is_prometheus_text(pd: Running) -> None:
+    m = metrics(pd)
+    assert metric(m, "tandem_requests_total", status="200") > 0
+    assert metric(m, "tandem_requests_total", status="400") > 0
+    assert metric(m, "tandem_time_to_first_token_seconds_count") > 0
