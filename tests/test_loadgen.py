@@ -271,3 +271,11 @@ def test_scraping_sums_a_counter_over_its_labels(server) -> None:
     _, url = server
     values = asyncio.run(scrape_metrics(url, ["tandem_fake_requests_total", "tandem_absent"]))
     assert values == {"tandem_fake_requests_total": 0.0}
+
+
+def test_a_label_selector_keeps_only_matching_label_sets(server) -> None:
+    fake, url = server
+    _run(url, _requests(2))
+    names = ['tandem_fake_requests_total{engine="a"}', "tandem_fake_requests_total", 'tandem_fake_requests_total{engine="z"}']
+    values = asyncio.run(scrape_metrics(url, names))
+    assert values == {names[0]: fake.finished, names[1]: 2 * fake.finished}

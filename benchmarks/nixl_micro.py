@@ -1,0 +1,179 @@
+"""Raw NIXL bandwidth for the KV block shapes a model uses, to set serving's KV rate against.
+
+Two NIXL agents in this process, each with a host-memory pool, READ from each other over UCX
+(DRAM<->DRAM, as a decode engine pulls a prefill engine's blocks on a CPU host). A transfer of
+`n` KV blocks is cut the way vLLM's NixlConnector cuts it: one descriptor per layer, per K and
+V, per block. What serving achieves (bytes / transfer seconds from /metrics) divided by this
+figure is the transfer efficiency of the whole path: handshakes, notifications, scheduling.
+
+The agents run without a progress thread (as Tandem's KV store does): the nixl Python API
+hard-codes `pthrDelay = 0`, so a progress thread would spin a core that the measurement needs.
+The timing loop polls both agents instead (the target's UCX worker must progress for wire-up).
+
+    python -m benchmarks.nixl_micro --model ~/.cache/tandem/tiny-llama-v1 --block-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class KVGeometry(msgspec.Struct, frozen=True):
+    """The shape of one KV cache block, from the model's config and the engine's block size."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    block_size: int  # tokens per block
+
+    @property
+    def chunk_bytes(self) -> int:
+        """One layer's K (or V) of one block: what one NIXL descriptor covers."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of every layer for one block."""
+        return 2 * self.num_layers * self.chunk_bytes
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    @classmethod
+    def from_model(cls, model_dir: str | Path, block_size: int) -> KVGeometry:
+        """Read a Hugging Face config.json (head_dim defaults to hidden_size / heads)."""
+        cfg = json.loads((Path(model_dir).expanduser() / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        heads = cfg["num_attention_heads"]
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+        return cls(
+            num_layers=cfg["num_hidden_layers"],
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            dtype_bytes=_DTYPE_BYTES.get(str(dtype), 2),
+            block_size=block_size,
+        )
+
+
+class MicroResult(msgspec.Struct, frozen=True):
+    """One transfer size, timed over many iterations."""
+
+    label: str
+    num_blocks: int
+    num_bytes: int
+    num_descs: int
+    iterations: int
+    median_s: float
+    p90_s: float
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.num_bytes / self.median_s / 2**30 if self.median_s > 0 else 0.0
+
+
+class _Agent:
+    """A NIXL agent owning one registered host pool."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.pool = np.ones(pool_bytes, dtype=np.uint8)  # touched, so pages are committed
+        self.agent = nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.reg = self.agent.register_memory([(self.pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
+
+    def descs(self, chunk_bytes: int, num_chunks: int) -> object:
+        base = self.pool.ctypes.data
+        return self.agent.get_xfer_descs([(base + i * chunk_bytes, chunk_bytes, 0) for i in range(num_chunks)], "DRAM")
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
+def _time_reads(reader: _Agent, target: _Agent, chunk_bytes: int, num_chunks: int, iterations: int, warmup: int) -> list[float]:
+    """Seconds per READ of `num_chunks` descriptors, from initiation to completion seen."""
+    handle = reader.agent.initialize_xfer("READ", reader.descs(chunk_bytes, num_chunks), target.descs(chunk_bytes, num_chunks), target.agent.name)
+    times = []
+    try:
+        for i in range(warmup + iterations):
+            t0 = time.perf_counter()
+            state = reader.agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                target.agent.get_new_notifs()  # the target's worker, in this same thread, needs progress too
+                state = reader.agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        reader.agent.release_xfer_handle(handle)
+    return times
+
+
+def run_micro(geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], iterations: int = 50, warmup: int = 5) -> list[MicroResult]:
+    """Time READs of each (label, number of blocks) between two fresh agents."""
+    max_chunks = 2 * geometry.num_layers * max(n for _, n in block_counts)
+    pool = max_chunks * geometry.chunk_bytes
+    reader, target = _Agent(pool), _Agent(pool)
+    try:
+        reader.agent.add_remote_agent(target.agent.get_agent_metadata())
+        results = []
+        for label, n in block_counts:
+            num_chunks = 2 * geometry.num_layers * n
+            times = _time_reads(reader, target, geometry.chunk_bytes, num_chunks, iterations, warmup)
+            results.append(MicroResult(
+                label=label,
+                num_blocks=n,
+                num_bytes=num_chunks * geometry.chunk_bytes,
+                num_descs=num_chunks,
+                iterations=iterations,
+                median_s=float(np.median(times)),
+                p90_s=float(np.percentile(times, 90)),
+            ))
+        reader.agent.remove_remote_agent(target.agent.name)
+        return results
+    finally:
+        reader.close()
+        target.close()
+
+
+def standard_sizes(geometry: KVGeometry, prompt_tokens: int) -> list[tuple[str, int]]:
+    """One block, one prompt's blocks, and a 16 MiB batch (the asymptotic bandwidth)."""
+    big = max(1, (16 * 2**20) // geometry.block_bytes)
+    return [("1 block", 1), (f"{prompt_tokens}-token prompt", geometry.num_blocks(prompt_tokens)), ("16 MiB", big)]
+
+
+def markdown(results: Sequence[MicroResult], serving_gib_s: float | None = None) -> str:
+    """A table of the raw figures, with serving's achieved rate as a last row when known."""
+    lines = ["| Transfer | Blocks | Bytes | Descriptors | Median (ms) | p90 (ms) | GiB/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        lines.append(f"| raw NIXL READ, {r.label} | {r.num_blocks} | {r.num_bytes:,} | {r.num_descs} | {1000 * r.median_s:.3f} | {1000 * r.p90_s:.3f} | {r.gib_per_s:.2f} |")
+    if serving_gib_s is not None:
+        lines.append(f"| Tandem serving (KV bytes / transfer seconds) | | | | | | {serving_gib_s:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.nixl_micro", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder holding config.json")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per KV block of the engines")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--iterations", type=int, default=50)
+    args = parser.parse_args(argv)
+    geometry = KVGeometry.from_model(args.model, args.block_size)
+    print(markdown(run_micro(geometry, standard_sizes(geometry, args.prompt_tokens), args.iterations)))
+
+
+if __name__ == "__main__":
+    main()
