@@ -223,6 +223,19 @@ async def _stream_one(
     )
 
 
+def request_body(config: RunConfig, request: BenchRequest, extra_body: dict[str, Any]) -> dict[str, Any]:
+    """The streaming /v1/completions body sent for `request` (also decoded by direct-path runs)."""
+    return {
+        "model": config.model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"ignore_eos": True} if config.ignore_eos else {}),
+        **extra_body,
+    }
+
+
 class _Sender:
     """Sends requests with a shared client, body template, timeout and concurrency cap."""
 
@@ -251,15 +264,7 @@ class _Sender:
 
     async def send(self, request: BenchRequest, index: int, run_start: float) -> RequestResult:
         """Send one request that already holds a slot; releases it when done."""
-        body: dict[str, Any] = {
-            "model": self._config.model,
-            "prompt": request.prompt,
-            "max_tokens": request.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **({"ignore_eos": True} if self._config.ignore_eos else {}),
-            **self._extra_body,
-        }
+        body = request_body(self._config, request, self._extra_body)
         sent = time.perf_counter() - run_start
         timeout = self._config.request_timeout_s
         try:

@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--show", action="store_true", help="print the config with every default filled in")
     p.set_defaults(func=_validate)
+    from benchmarks.bench import add_arguments, main as bench
+
+    p = sub.add_parser("bench", help="colocated vs disaggregated (and plain vLLM) on one workload: tables, plots, overhead, KV efficiency")
+    add_arguments(p)
+    p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,254 @@
+"""`tandem bench`: colocated and disaggregated serving, side by side, in one run.
+
+Every scenario gets the same workload on the same machine: deploy, a rate sweep over Tandem's
+OpenAI endpoint (each point warmed up first), the same load straight to the engine actors
+(what the HTTP path costs, phase by phase), /metrics deltas (KV bytes, transfer time,
+fallbacks, external tokens), teardown. A NIXL microbenchmark of the model's KV block shapes
+then gives the raw bandwidth that serving's KV rate is set against. `--target-url` runs the
+same workload against any OpenAI-compatible server instead of deploying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from benchmarks.direct import run_direct
+from benchmarks.loadgen import RunResult, run_sweep
+from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
+from benchmarks.phases import (
+    KV_BYTES,
+    KV_SECONDS,
+    KV_TRANSFERS,
+    Overhead,
+    PathFigures,
+    metric_names,
+    router_phases_from_metrics,
+    router_phases_from_traces,
+    ttft_phases,
+)
+from benchmarks.scenarios import DEFAULT_SCENARIOS, Scenario, deployed, parse_scenarios, scenario_config
+from benchmarks.stats import SLO
+from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
+from orchestrator.config import TandemConfig, load_config
+from orchestrator.models import resolve_local
+
+logger = logging.getLogger("tandem.bench")
+
+# Direct-path prompts come from another seed: resending the HTTP run's prompts would make
+# them prefix-cache hits, and the comparison would measure the cache, not the path.
+DIRECT_SEED_OFFSET = 1000
+
+
+class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What `tandem bench` was asked to do; stored in bench.json."""
+
+    scenarios: str = DEFAULT_SCENARIOS
+    rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
+    num_requests: int = 20  # measured requests per rate
+    warmup: int = 2  # requests sent before each measured run
+    input_len: int = 256  # prompt tokens
+    output_len: int = 32  # output tokens (ignore_eos)
+    duration_s: float = 60.0  # no measured request is sent later than this into a run
+    request_timeout_s: float = 120.0
+    seed: int = 0
+    slo_ttft_ms: float = 500.0
+    slo_tpot_ms: float = 50.0
+    config: str | None = None  # base deployment config; scenarios replace its pools
+    model: str | None = None  # overrides model.source of the config
+    address: str | None = None  # Ray cluster to join; None: embedded Ray on 127.0.0.1
+    target_url: str | None = None  # benchmark this OpenAI server instead of deploying
+    target_model: str | None = None
+    tokenizer: str | None = None  # folder; default: the config's model
+    out_dir: str | None = None  # default results/bench-<timestamp>
+    overhead: bool = True  # also send the load straight to the engines
+    nixl_micro: bool = True
+
+
+class ScenarioReport(msgspec.Struct, frozen=True):
+    """What one scenario gave beyond its runs (which are saved as JSON files of their own)."""
+
+    scenario: Scenario
+    startup_s: float
+    runs: list[RunResult]  # the HTTP sweep, one per rate
+    direct: RunResult | None = None  # the direct-to-engines run at the first rate
+    phases_ms: dict[str, dict[str, float]] = {}  # "<name> HTTP" / "<name> direct" -> phase -> ms
+    overhead: Overhead | None = None
+
+    def kv_total(self, name: str) -> float:
+        """A KV counter's growth over every run of the scenario."""
+        return sum(r.summary.server_metrics.get(name, 0.0) for r in [*self.runs, *([self.direct] if self.direct else [])])
+
+    @property
+    def kv_gib_s(self) -> float | None:
+        seconds = self.kv_total(KV_SECONDS)
+        return self.kv_total(KV_BYTES) / seconds / 2**30 if seconds else None
+
+
+class BenchReport(msgspec.Struct, frozen=True):
+    options: BenchOptions
+    command: str
+    scenarios: list[ScenarioReport]
+    geometry: KVGeometry | None = None
+    micro: list[MicroResult] = []
+    elapsed_s: float = 0.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `tandem bench` options (defaults from BenchOptions)."""
+    d = BenchOptions()
+    p.add_argument("--scenarios", default=d.scenarios, help="comma-separated: colocated[:N], <P>p<D>d, vllm-server (default %(default)s)")
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
+    p.add_argument("--num-requests", type=int, default=d.num_requests, help="measured requests per rate (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
+    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens (default %(default)s)")
+    p.add_argument("--duration", type=float, default=d.duration_s, dest="duration_s", help="stop sending this many seconds into a run (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, dest="request_timeout_s", help="seconds (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms, help="TTFT objective for goodput (default %(default)s)")
+    p.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms, help="TPOT objective for goodput (default %(default)s)")
+    p.add_argument("--config", help="base deployment config (model, engine args, connector); scenarios replace its pools")
+    p.add_argument("--model", help="model folder or hub id (overrides the config's model.source)")
+    p.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
+    p.add_argument("--target-url", help="benchmark this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of deploying")
+    p.add_argument("--target-model", help="model name to send with --target-url (default: the config's served name)")
+    p.add_argument("--tokenizer", help="tokenizer folder for exact prompt lengths (default: the config's model)")
+    p.add_argument("--out", dest="out_dir", help="output folder (default results/bench-<timestamp>)")
+    p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the direct-to-engine runs")
+    p.add_argument("--no-nixl-micro", dest="nixl_micro", action="store_false", help="skip the NIXL microbenchmark")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    fields = {f: getattr(args, f) for f in BenchOptions.__struct_fields__ if f != "rates" and hasattr(args, f)}
+    return BenchOptions(rates=tuple(float(r) for r in args.rates.split(",") if r.strip()), **fields)
+
+
+def base_config(opts: BenchOptions) -> TandemConfig:
+    """The config every scenario starts from: --config (or the embedded default), --model applied."""
+    base = load_config(opts.config)
+    if opts.model:
+        base = msgspec.structs.replace(base, model=msgspec.structs.replace(base.model, source=opts.model, served_name=None))
+    return base
+
+
+@contextmanager
+def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | None) -> Iterator[None]:
+    """One Ray for every scenario: joined at `address`, or embedded on loopback; reused if already up."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized() or not any(s.is_tandem for s in scenarios):
+        yield
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield
+    finally:
+        if not address:  # Serve on a shared cluster is not ours to stop; our app was deleted
+            serve.shutdown()
+        ray.shutdown()
+
+
+class _Setup(msgspec.Struct, frozen=True):
+    """What every scenario shares."""
+
+    opts: BenchOptions
+    base: TandemConfig
+    workload: RandomWorkload
+    slo: SLO
+    tokenizer: Any
+
+
+def _sweep(setup: _Setup, base_url: str, model: str, label: str, names: list[str]) -> list[RunResult]:
+    o = setup.opts
+    return asyncio.run(run_sweep(
+        base_url, model, setup.workload, o.num_requests, rates=o.rates, tokenizer=setup.tokenizer, seed=o.seed, warmup=o.warmup,
+        slo=setup.slo, label=label, duration_s=o.duration_s, request_timeout_s=o.request_timeout_s, metric_names=names,
+    ))
+
+
+def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[ScenarioReport, KVGeometry | None]:
+    """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines."""
+    o = setup.opts
+    names = metric_names() if scenario.is_tandem else []
+    with deployed(scenario, setup.base, log_dir) as target:
+        logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
+        runs = _sweep(setup, target.base_url, target.model, scenario.name, names)
+        if not scenario.is_tandem:
+            return ScenarioReport(scenario, target.startup_s, runs), None
+        infos = target.deployment.infos
+        geometry = KVGeometry.from_model(resolve_local(setup.base.model.source), infos[0].block_size)
+        direct, traces = None, []
+        if o.overhead:
+            requests = setup.workload.sample(o.num_requests, o.seed + DIRECT_SEED_OFFSET, setup.tokenizer)
+            direct, traces = asyncio.run(run_direct(
+                target.deployment.engines, setup.base.routing.policy, target.model, requests, setup.tokenizer,
+                rate=o.rates[0], seed=o.seed, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
+                duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload,
+            ))
+    disaggregated = scenario.kind == "disaggregated"
+    first = runs[0].summary
+    http_phases = ttft_phases(router_phases_from_metrics(first.server_metrics), first.server_metrics, disaggregated, (first.ttft_ms.mean or 0.0) / 1000)
+    phases = {f"{scenario.name} HTTP": http_phases}
+    overhead = None
+    if direct is not None:
+        direct_phases = ttft_phases(router_phases_from_traces(traces), direct.summary.server_metrics, disaggregated)
+        phases[f"{scenario.name} direct"] = direct_phases
+        overhead = Overhead(o.rates[0], PathFigures.of(runs[0], http_phases), PathFigures.of(direct, direct_phases))
+    phases_ms = {k: {p: 1000 * s for p, s in v.items()} for k, v in phases.items()}
+    return ScenarioReport(scenario, target.startup_s, runs, direct, phases_ms, overhead), geometry
+
+
+def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
+    """Every scenario in turn (at most one deployed at a time), then the NIXL microbenchmark."""
+    import sys
+
+    t0 = time.perf_counter()
+    base = base_config(opts)
+    tokenizer = load_tokenizer(opts.tokenizer or resolve_local(base.model.source))
+    setup = _Setup(opts, base, RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len)), SLO(opts.slo_ttft_ms, opts.slo_tpot_ms), tokenizer)
+    command = " ".join(["tandem", *sys.argv[1:]]) if Path(sys.argv[0]).name == "tandem" else " ".join(sys.argv)
+    if opts.target_url:
+        model = opts.target_model or base.model.name
+        target = Scenario("target", "vllm-server", num_decode=1)
+        report = ScenarioReport(target, 0.0, _sweep(setup, opts.target_url.rstrip("/").removesuffix("/v1"), model, "target", []))
+        return BenchReport(opts, command, [report], elapsed_s=time.perf_counter() - t0)
+    scenarios = parse_scenarios(opts.scenarios)
+    reports, geometry = [], None
+    with shared_ray(base, scenarios, opts.address):
+        for scenario in scenarios:
+            report, found = run_scenario(setup, scenario, out / "logs")
+            reports.append(report)
+            geometry = geometry or found
+    micro = []
+    if opts.nixl_micro and geometry is not None:
+        micro = run_micro(geometry, standard_sizes(geometry, opts.input_len))
+    return BenchReport(opts, command, reports, geometry, micro, time.perf_counter() - t0)
+
+
+def main(args: argparse.Namespace) -> int:
+    """The body of `tandem bench`: run, write the report, print the summary."""
+    from benchmarks.bench_report import write_bench_report
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    opts = options_from_args(args)
+    out = Path(opts.out_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    report = run_bench(opts, out)
+    summary = write_bench_report(report, out)
+    print(summary.read_text())
+    print(f"report written to {out}/ (summary.md, results.md, bench.json, *.png, one JSON per run)")
+    return 0

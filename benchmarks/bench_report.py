@@ -1,0 +1,151 @@
+"""The files `tandem bench` leaves behind: summary.md, results.md, bench.json, plots, run JSONs.
+
+summary.md is what people read (and what the command prints): the results table, where TTFT
+goes, what the HTTP path adds over calling the engines directly, KV transfer efficiency
+against raw NIXL, and Tandem's colocated engine against a plain vLLM server when both ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from benchmarks.bench import BenchReport, ScenarioReport
+from benchmarks.nixl_micro import markdown as micro_markdown
+from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_TRANSFERS, PER_REQUEST_METRICS
+from benchmarks.loadgen import RunResult
+from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, save_json
+
+# Tandem's colocated engine and a plain vLLM server should agree within this (issue 4).
+AGREEMENT = 0.20
+
+
+def _headline(run: RunResult) -> RunResult:
+    """The run with only the server metrics the results table shows."""
+    metrics = {k: v for k, v in run.summary.server_metrics.items() if k in HEADLINE_METRICS}
+    return msgspec.structs.replace(run, summary=msgspec.structs.replace(run.summary, server_metrics=metrics))
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def phase_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """Phases as rows, one column per scenario and path, plus their sum."""
+    columns = {name: phases for s in scenarios for name, phases in s.phases_ms.items()}
+    if not columns:
+        return ""
+    names = list(dict.fromkeys(p for phases in columns.values() for p in phases))
+    lines = ["| Phase (mean ms) | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    for phase in names:
+        lines.append(f"| {phase} | " + " | ".join(_ms(c.get(phase)) for c in columns.values()) + " |")
+    lines.append("| **= mean TTFT** | " + " | ".join(_ms(sum(c.values())) for c in columns.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def overhead_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """HTTP path vs direct path per scenario: TTFT, TPOT, end-to-end, and the difference."""
+    rows = [s for s in scenarios if s.overhead is not None]
+    if not rows:
+        return ""
+    lines = [
+        "| Scenario | Rate (req/s) | TTFT mean HTTP / direct (ms) | added | TTFT p50 HTTP / direct | added | TPOT p50 HTTP / direct | added | E2E p50 HTTP / direct | added |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in rows:
+        o = s.overhead
+        cells = [s.scenario.name, f"{o.rate:g}"]
+        for f in ("ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
+            cells += [f"{_ms(getattr(o.http, f))} / {_ms(getattr(o.direct, f))}", _ms(o.added_ms(f))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def transfer_table(report: BenchReport) -> str:
+    """Raw NIXL READs of the model's block shapes, then what each disaggregated scenario achieved."""
+    out = micro_markdown(report.micro) if report.micro else ""
+    raw = next((m for m in report.micro if m.label.endswith("prompt")), None)
+    lines = ["| Scenario | KV transfers | Bytes / transfer | ms / transfer | GiB/s | of raw NIXL (same size) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in report.scenarios:
+        n = s.kv_total(KV_TRANSFERS)
+        if not n:
+            continue
+        rate = s.kv_gib_s
+        share = f"{100 * rate / raw.gib_per_s:.1f}%" if rate and raw and raw.gib_per_s else "—"
+        lines.append(f"| {s.scenario.name} | {n:.0f} | {s.kv_total(KV_BYTES) / n:,.0f} | {1000 * s.kv_total(KV_SECONDS) / n:.2f} | {_ms(rate) if rate is None else f'{rate:.3f}'} | {share} |")
+    if len(lines) > 2:
+        out += "\nTandem serving (decode engines' NIXL timing, from /metrics):\n\n" + "\n".join(lines) + "\n"
+    return out
+
+
+def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
+    """Tandem colocated:1 against a plain vLLM server, rate by rate (empty unless both ran)."""
+    by_name = {s.scenario.name: s for s in scenarios}
+    tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
+    if tandem is None or plain is None:
+        return ""
+    added = tandem.overhead.added_ms("ttft_mean_ms") if tandem.overhead else None
+    lines = ["| Rate (req/s) | Metric (p50, ms) | vLLM server | Tandem colocated:1 | Tandem − vLLM | Verdict |", "| ---: | --- | ---: | ---: | ---: | --- |"]
+    for t, v in zip(tandem.runs, plain.runs):
+        for label, field in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")):
+            a, b = getattr(v.summary, field).p50, getattr(t.summary, field).p50
+            if a is None or b is None:
+                continue
+            diff = b - a
+            if abs(diff) <= AGREEMENT * a:
+                verdict = f"within {100 * AGREEMENT:.0f}%"
+            elif label == "TTFT" and added is not None:
+                verdict = f"{100 * diff / a:+.0f}%; Tandem's measured HTTP-path overhead is {added:.1f} ms"
+            else:
+                verdict = f"{100 * diff / a:+.0f}%"
+            lines.append(f"| {t.config.rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(report: BenchReport) -> str:
+    o = report.options
+    runs = [r for s in report.scenarios for r in s.runs]
+    env = runs[0].environment if runs else None
+    parts = [
+        "# Tandem bench\n",
+        f"Command: `{report.command}`  ",
+        f"Workload: random prompts of {o.input_len} tokens, {o.output_len} output tokens (ignore_eos), Poisson arrivals at "
+        f"{', '.join(f'{r:g}' for r in o.rates)} req/s, {o.num_requests} measured requests per rate after {o.warmup} warm-up, seed {o.seed}; "
+        f"SLO TTFT ≤ {o.slo_ttft_ms:g} ms and TPOT ≤ {o.slo_tpot_ms:g} ms.  ",
+    ]
+    if env:
+        parts.append(f"Machine: {env.cpu_count} CPUs, {env.platform}, Python {env.python}; {', '.join(f'{k} {v}' for k, v in env.versions.items())}.  ")
+    parts.append(f"Whole run: {report.elapsed_s / 60:.1f} min; start-up per scenario: "
+                 + ", ".join(f"{s.scenario.name} {s.startup_s:.0f} s" for s in report.scenarios) + ".\n")
+    parts += ["## Serving over HTTP (latencies p50 / p99)\n", markdown_table([_headline(r) for r in runs], PER_REQUEST_METRICS)]
+    sections = (
+        (f"## Where TTFT goes (rate {o.rates[0]:g} req/s; HTTP = through Tandem's endpoint, direct = router in the bench process)\n", phase_table(report.scenarios)),
+        ("## Orchestration overhead: Tandem's HTTP path over calling the engine actors directly\n", overhead_table(report.scenarios)),
+        ("## KV transfer efficiency\n", transfer_table(report)),
+        ("## Tandem colocated vs a plain vLLM server\n", vllm_comparison(report.scenarios)),
+    )
+    parts += [part for heading, table in sections if table for part in (heading, table)]
+    return "\n".join(parts)
+
+
+def write_bench_report(report: BenchReport, out: Path) -> Path:
+    """Write every file; returns the path of summary.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    sweeps = {s.scenario.name: s.runs for s in report.scenarios}
+    for s in report.scenarios:
+        for k, run in enumerate(s.runs):
+            save_json(run, out / f"{_slug(s.scenario.name)}-{k:02d}-rate-{run.config.rate:g}.json")
+        if s.direct is not None:
+            save_json(s.direct, out / f"{_slug(s.scenario.name)}-direct-rate-{s.direct.config.rate:g}.json")
+    (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
+    plot_latency_vs_load(sweeps, out / "latency.png")
+    plot_goodput(sweeps, out / "goodput.png")
+    phases = {name: {p: max(0.0, ms) / 1000 for p, ms in v.items()} for s in report.scenarios for name, v in s.phases_ms.items()}
+    if phases:
+        plot_phase_breakdown(phases, out / "phases.png", title="Where time to first token goes (mean per request)")
+    (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+    summary = out / "summary.md"
+    summary.write_text(summary_markdown(report))
+    return summary

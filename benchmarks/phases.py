@@ -1,0 +1,144 @@
+"""Where a request's time to first token goes, from /metrics deltas and router traces.
+
+Pure arithmetic, so every figure can be checked by hand. Inputs are the growth of Tandem's
+/metrics samples over a run (see `metric_names`) and, for direct-path runs, the router's
+own `RequestTrace`s. Phases are means per request in seconds, in the order they happen, and
+add up to the mean TTFT the client saw:
+
+- HTTP + ingress: client TTFT minus the router's (Serve proxy, ingress, extra Ray hop);
+- engine queue: vLLM's arrival-to-first-scheduled on the engine that prefills;
+- prefill: the rest of the router's prefill phase (disaggregated), or of its whole TTFT
+  (colocated: prefill and the first token are one step);
+- KV transfer: the decode engine's NIXL transfer time per transfer (disaggregated only);
+- first decode token: decode request sent to first token, minus the KV transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from benchmarks.loadgen import RunResult
+from orchestrator.router import RequestTrace
+
+ROUTER_PHASES = ("prefill", "route", "first_token", "decode")
+
+KV_BYTES = "tandem_kv_transfer_bytes_total"
+KV_TRANSFERS = "tandem_kv_transfers_total"
+KV_SECONDS = "tandem_kv_transfer_seconds_sum"
+KV_FAILURES = "tandem_kv_transfer_failures_total"
+FALLBACKS = "tandem_fallbacks_total"
+EXTERNAL_TOKENS = 'tandem_prompt_tokens_total{source="external_kv_transfer"}'
+TTFT_SUM = "tandem_time_to_first_token_seconds_sum"
+TTFT_COUNT = "tandem_time_to_first_token_seconds_count"
+
+# Shown in the results table; the rest only feed the phase arithmetic (and the JSON).
+HEADLINE_METRICS = (KV_BYTES, KV_TRANSFERS, KV_SECONDS, KV_FAILURES, FALLBACKS, EXTERNAL_TOKENS)
+# Divided by completed requests in the table.
+PER_REQUEST_METRICS = (KV_BYTES, KV_SECONDS, EXTERNAL_TOKENS)
+
+
+def router_phase(name: str, stat: str) -> str:
+    return f'tandem_request_phase_seconds_{stat}{{phase="{name}"}}'
+
+
+def engine_queue(pool: str) -> tuple[str, str]:
+    """(queue seconds, timed requests) sample names of the engines of `pool`."""
+    return f'tandem_engine_phase_seconds_total{{phase="queue",pool="{pool}"}}', f'tandem_engine_timed_requests_total{{pool="{pool}"}}'
+
+
+def metric_names() -> list[str]:
+    """Every /metrics sample a Tandem run scrapes before and after."""
+    names = [*HEADLINE_METRICS, TTFT_SUM, TTFT_COUNT]
+    names += [router_phase(p, s) for p in ROUTER_PHASES for s in ("sum", "count")]
+    names += [n for pool in ("prefill", "both") for n in engine_queue(pool)]
+    return names
+
+
+def _mean(total: float | None, count: float | None) -> float | None:
+    return total / count if total is not None and count else None
+
+
+def router_phases_from_metrics(deltas: Mapping[str, float]) -> dict[str, float]:
+    """Mean router phases of the requests served over HTTP during a run."""
+    means = {p: _mean(deltas.get(router_phase(p, "sum")), deltas.get(router_phase(p, "count"))) for p in ROUTER_PHASES}
+    return {p: m for p, m in means.items() if m is not None}
+
+
+def router_phases_from_traces(traces: Sequence[RequestTrace]) -> dict[str, float]:
+    """Mean of each phase over the traces that reached it."""
+    sums: dict[str, list[float]] = {}
+    for trace in traces:
+        for phase, seconds in trace.phases().items():
+            sums.setdefault(phase, []).append(seconds)
+    return {p: sum(v) / len(v) for p in ROUTER_PHASES if (v := sums.get(p))}
+
+
+def kv_transfer_mean(deltas: Mapping[str, float]) -> float | None:
+    """Seconds per KV transfer, as the decode engines timed them; None without transfers."""
+    return _mean(deltas.get(KV_SECONDS), deltas.get(KV_TRANSFERS))
+
+
+def kv_rate_gib_s(deltas: Mapping[str, float]) -> float | None:
+    """Bytes moved per second of transfer time, GiB/s; None without transfers."""
+    seconds = deltas.get(KV_SECONDS)
+    return deltas.get(KV_BYTES, 0.0) / seconds / 2**30 if seconds else None
+
+
+def ttft_phases(
+    router: Mapping[str, float],
+    deltas: Mapping[str, float],
+    disaggregated: bool,
+    client_ttft_s: float | None = None,
+) -> dict[str, float]:
+    """Split the mean TTFT into phases (module docstring); without `client_ttft_s`, no HTTP phase.
+
+    Missing inputs count as 0, so a scenario without transfers simply has no KV phase.
+    """
+    queue = _mean(*(deltas.get(n) for n in engine_queue("prefill" if disaggregated else "both"))) or 0.0
+    out: dict[str, float] = {}
+    if client_ttft_s is not None:
+        out["HTTP + ingress"] = client_ttft_s - sum(router.get(p, 0.0) for p in ROUTER_PHASES[:3])
+    out["engine queue"] = queue
+    if not disaggregated:
+        out["prefill"] = router.get("route", 0.0) + router.get("first_token", 0.0) - queue
+        return out
+    kv = kv_transfer_mean(deltas) or 0.0
+    out["prefill"] = router.get("prefill", 0.0) - queue
+    out["KV transfer"] = kv
+    out["first decode token"] = router.get("route", 0.0) + router.get("first_token", 0.0) - kv
+    return out
+
+
+class PathFigures(msgspec.Struct, frozen=True):
+    """One path's latency figures at one rate (means and medians, milliseconds)."""
+
+    ttft_mean_ms: float | None
+    ttft_p50_ms: float | None
+    tpot_p50_ms: float | None
+    e2e_p50_ms: float | None
+    phases_ms: dict[str, float]
+
+    @classmethod
+    def of(cls, run: RunResult, phases_s: Mapping[str, float]) -> PathFigures:
+        s = run.summary
+        return cls(s.ttft_ms.mean, s.ttft_ms.p50, s.tpot_ms.p50, s.e2e_ms.p50, {k: 1000 * v for k, v in phases_s.items()})
+
+
+class Overhead(msgspec.Struct, frozen=True):
+    """The same load through Tandem's HTTP endpoint and straight to the engines."""
+
+    rate: float | None
+    http: PathFigures
+    direct: PathFigures
+
+    def added_ms(self, field: str) -> float | None:
+        """HTTP minus direct for one PathFigures field; None when either is unknown."""
+        a, b = getattr(self.http, field), getattr(self.direct, field)
+        return None if a is None or b is None else a - b
+
+    def phase_rows(self) -> list[tuple[str, float, float, float]]:
+        """(phase, HTTP ms, direct ms, HTTP - direct ms) for every phase of either path."""
+        names = list(dict.fromkeys([*self.http.phases_ms, *self.direct.phases_ms]))
+        return [(n, self.http.phases_ms.get(n, 0.0), self.direct.phases_ms.get(n, 0.0), self.http.phases_ms.get(n, 0.0) - self.direct.phases_ms.get(n, 0.0)) for n in names]

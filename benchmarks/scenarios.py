@@ -1,0 +1,225 @@
+"""The deployments `tandem bench` compares, and bringing each one up and down.
+
+A scenario is named on the command line: `colocated:N` (N engines that prefill and decode
+themselves, behind the same router: the baseline), `<P>p<D>d` (P prefill and D decode engines,
+KV moved by the configured connector), or `vllm-server` (a plain `vllm.entrypoints.openai.
+api_server` subprocess with the same model and engine args, to check that Tandem's colocated
+figures match vLLM's own). Every Tandem scenario is the bench's base config with only its pools
+replaced, so the model, engine args, connector settings and core binding stay the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import msgspec
+
+from orchestrator.config import PoolConfig, TandemConfig
+
+ScenarioKind = Literal["colocated", "disaggregated", "vllm-server"]
+
+DEFAULT_SCENARIOS = "colocated:1,1p1d"
+
+_COLOCATED = re.compile(r"^colocated(?::(?P<n>\d+))?$")
+_XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d$")
+
+
+class Scenario(msgspec.Struct, frozen=True):
+    """One deployment to measure, as parsed from its name."""
+
+    name: str  # as written on the command line, normalised: "colocated:1", "1p1d", "vllm-server"
+    kind: ScenarioKind
+    num_prefill: int = 0
+    num_decode: int = 0  # decode engines, or colocated engines
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def is_tandem(self) -> bool:
+        return self.kind != "vllm-server"
+
+
+def parse_scenario(text: str) -> Scenario:
+    """`colocated[:N]`, `<P>p<D>d` or `vllm-server` (case-insensitive); ValueError otherwise."""
+    name = text.strip().lower()
+    if name == "vllm-server":
+        return Scenario(name, "vllm-server", num_decode=1)
+    if m := _COLOCATED.match(name):
+        n = int(m["n"] or 1)
+        if n < 1:
+            raise ValueError(f"scenario {text!r}: a colocated pool needs at least 1 engine")
+        return Scenario(f"colocated:{n}", "colocated", num_decode=n)
+    if m := _XPYD.match(name):
+        p, d = int(m["p"]), int(m["d"])
+        if p < 1 or d < 1:
+            raise ValueError(f"scenario {text!r}: disaggregated serving needs at least 1 prefill and 1 decode engine")
+        return Scenario(f"{p}p{d}d", "disaggregated", num_prefill=p, num_decode=d)
+    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d (e.g. 1p1d, 2p1d) or vllm-server")
+
+
+def parse_scenarios(text: str) -> list[Scenario]:
+    """A comma-separated list, in the order given, each name at most once."""
+    scenarios = [parse_scenario(part) for part in text.split(",") if part.strip()]
+    if not scenarios:
+        raise ValueError("no scenario given; e.g. --scenarios colocated:1,1p1d")
+    names = [s.name for s in scenarios]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"scenario(s) {dupes} given more than once")
+    return scenarios
+
+
+def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_channel_base_port: int) -> TandemConfig:
+    """The base config with the scenario's pools, served on `port` under the app name "bench".
+
+    `vllm-server` gets the config of one colocated engine, which its command line is built from.
+    Pools keep the base config's per-replica settings (CPUs, GPUs, TP, engine args): a
+    colocated pool takes them from the base's colocated pool, else its decode pool; prefill
+    and decode pools from their own, else the colocated one.
+    """
+
+    def pool(*templates: PoolConfig | None, replicas: int) -> PoolConfig:
+        template = next((t for t in templates if t is not None), PoolConfig())
+        return msgspec.structs.replace(template, replicas=replicas)
+
+    serve = msgspec.structs.replace(base.serve, port=port, app_name="bench")
+    kv = msgspec.structs.replace(base.kv_transfer, side_channel_base_port=side_channel_base_port)
+    if scenario.kind != "disaggregated":
+        pools: dict[str, PoolConfig | None] = {"colocated": pool(base.colocated, base.decode, replicas=scenario.num_decode), "prefill": None, "decode": None}
+    else:
+        pools = {
+            "colocated": None,
+            "prefill": pool(base.prefill, base.colocated, replicas=scenario.num_prefill),
+            "decode": pool(base.decode, base.colocated, replicas=scenario.num_decode),
+        }
+    return msgspec.structs.replace(base, serve=serve, kv_transfer=kv, **pools)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive TCP ports that are all free on `host` right now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = s.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+class Target(msgspec.Struct, frozen=True):
+    """A scenario that is up: where the load goes, and (Tandem only) what runs it."""
+
+    base_url: str  # without /v1: the load generator adds /v1/completions, scrapes /metrics
+    model: str
+    startup_s: float
+    deployment: Any = None  # orchestrator.deploy.Deployment for Tandem scenarios
+
+
+@contextmanager
+def deployed(scenario: Scenario, base: TandemConfig, log_dir: Path) -> Iterator[Target]:
+    """Bring the scenario up (Ray already initialised for Tandem ones); always tear it down."""
+    t0 = time.perf_counter()
+    cfg = scenario_config(base, scenario, free_ports(1), free_ports(scenario.num_engines))
+    if scenario.is_tandem:
+        from orchestrator.job import running
+
+        with running(cfg, own_ray=False) as up:
+            yield Target(up.url.removesuffix("/v1"), cfg.model.name, time.perf_counter() - t0, up.deployment)
+    else:
+        with vllm_server(cfg, log_dir / "vllm-server.log") as url:
+            yield Target(url, cfg.model.name, time.perf_counter() - t0)
+
+
+def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` for a colocated config's one engine."""
+    if cfg.colocated is None:
+        raise ValueError("a plain vLLM server stands for one colocated engine; build its config with scenario_config")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--served-model-name", cfg.model.name, "--host", "127.0.0.1", "--port", str(cfg.serve.port)]
+    if cfg.colocated.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(cfg.colocated.tensor_parallel_size)]
+    for key, value in cfg.engine_args_for("both").items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is False:
+            cmd.append("--no-" + key.replace("_", "-"))
+        else:
+            cmd += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return cmd
+
+
+def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
+    """The same process settings a Tandem colocated engine gets: KV cache size, every core."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if cfg.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
+        if cfg.cpu.bind_cores == "auto":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    return env
+
+
+@contextmanager
+def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[str]:
+    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL."""
+    from orchestrator.models import resolve_local
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{cfg.serve.port}"
+    with open(log_path, "wb") as log:
+        # Its own session, so teardown reaches the engine-core processes vLLM spawns.
+        proc = subprocess.Popen(vllm_server_command(cfg, resolve_local(cfg.model.source)), stdout=log, stderr=subprocess.STDOUT, env=vllm_server_env(cfg), start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _healthy(url):
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"vllm api_server exited with {proc.returncode} during start-up; log {log_path}:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm api_server not healthy after {timeout_s:.0f} s; see {log_path}")
+                time.sleep(1.0)
+            yield url
+        finally:
+            _stop_group(proc)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group we started, SIGKILL it if it lingers."""
+    for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,223 @@
+"""`tandem bench`: scenario names, per-scenario configs, phase arithmetic, and one real run."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import msgspec
+import pytest
+
+from benchmarks.bench import BenchOptions, ScenarioReport, add_arguments, options_from_args
+from benchmarks.bench_report import phase_table, vllm_comparison
+from benchmarks.loadgen import RunConfig, RunResult, environment
+from benchmarks.nixl_micro import KVGeometry, standard_sizes
+from benchmarks.phases import (
+    KV_BYTES,
+    KV_SECONDS,
+    KV_TRANSFERS,
+    TTFT_COUNT,
+    Overhead,
+    PathFigures,
+    engine_queue,
+    kv_rate_gib_s,
+    router_phase,
+    router_phases_from_metrics,
+    router_phases_from_traces,
+    ttft_phases,
+)
+from benchmarks.scenarios import Scenario, free_ports, parse_scenario, parse_scenarios, scenario_config, vllm_server_command
+from benchmarks.stats import RequestResult, summarize
+from orchestrator.config import PoolConfig, TandemConfig, parse_config
+from orchestrator.router import RequestTrace
+
+BASE = parse_config({
+    "engine_args": {"max_model_len": 512, "dtype": "bfloat16"},
+    "prefill": {"replicas": 3, "num_cpus": 2},
+    "decode": {"replicas": 2, "num_cpus": 1, "engine_args": {"max_num_seqs": 8}},
+})
+
+
+# ---- scenario names ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("colocated", Scenario("colocated:1", "colocated", num_decode=1)),
+        ("colocated:3", Scenario("colocated:3", "colocated", num_decode=3)),
+        ("1p1d", Scenario("1p1d", "disaggregated", num_prefill=1, num_decode=1)),
+        (" 2P1D ", Scenario("2p1d", "disaggregated", num_prefill=2, num_decode=1)),
+        ("vllm-server", Scenario("vllm-server", "vllm-server", num_decode=1)),
+    ],
+)
+def test_scenario_names_parse_to_pools(text: str, expected: Scenario) -> None:
+    assert parse_scenario(text) == expected
+
+
+@pytest.mark.parametrize("text", ["colocated:0", "0p1d", "1p0d", "p1d", "monolithic", "colocated:x"])
+def test_a_bad_scenario_name_says_what_is_accepted(text: str) -> None:
+    with pytest.raises(ValueError, match=r"scenario|engine"):
+        parse_scenario(text)
+
+
+def test_a_list_keeps_its_order_and_refuses_duplicates() -> None:
+    assert [s.name for s in parse_scenarios("1p1d, colocated:1,vllm-server")] == ["1p1d", "colocated:1", "vllm-server"]
+    with pytest.raises(ValueError, match="more than once"):
+        parse_scenarios("colocated,colocated:1")
+    with pytest.raises(ValueError, match="no scenario"):
+        parse_scenarios(" , ")
+
+
+# ---- configs per scenario ------------------------------------------------------------
+
+
+def test_a_colocated_scenario_replaces_the_pools_and_keeps_the_rest() -> None:
+    cfg = scenario_config(BASE, parse_scenario("colocated:2"), port=9100, side_channel_base_port=7100)
+    assert cfg.pools == {"both": PoolConfig(replicas=2, num_cpus=1, engine_args={"max_num_seqs": 8})}
+    assert (cfg.serve.port, cfg.serve.app_name, cfg.kv_transfer.side_channel_base_port) == (9100, "bench", 7100)
+    assert cfg.engine_args == BASE.engine_args and cfg.model == BASE.model
+    assert not cfg.disaggregated
+
+
+def test_a_disaggregated_scenario_keeps_each_pools_per_replica_settings() -> None:
+    cfg = scenario_config(BASE, parse_scenario("2p1d"), port=9100, side_channel_base_port=7100)
+    assert cfg.prefill == PoolConfig(replicas=2, num_cpus=2)
+    assert cfg.decode == PoolConfig(replicas=1, num_cpus=1, engine_args={"max_num_seqs": 8})
+    assert cfg.colocated is None and cfg.disaggregated
+
+
+def test_disaggregated_pools_from_a_colocated_base_copy_its_settings() -> None:
+    base = parse_config({"colocated": {"replicas": 4, "num_cpus": 3}})
+    cfg = scenario_config(base, parse_scenario("1p1d"), 9100, 7100)
+    assert cfg.prefill == cfg.decode == PoolConfig(replicas=1, num_cpus=3)
+
+
+def test_the_vllm_server_command_carries_the_same_engine_args() -> None:
+    cfg = scenario_config(BASE, parse_scenario("vllm-server"), port=9100, side_channel_base_port=7100)
+    cmd = vllm_server_command(msgspec.structs.replace(cfg, engine_args={**cfg.engine_args, "enable_prefix_caching": False}), "/models/tiny")
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    for part in ("--model /models/tiny", "--served-model-name tandem-tiny", "--host 127.0.0.1", "--port 9100",
+                 "--enforce-eager", "--max-model-len 512", "--dtype bfloat16", "--max-num-seqs 8", "--no-enable-prefix-caching"):
+        assert part in joined
+
+
+def test_free_ports_are_consecutive_and_bindable() -> None:
+    first = free_ports(3)
+    for port in range(first, first + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_cli_options_become_bench_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts = options_from_args(parser.parse_args(["--rates", "0.5,2", "--scenarios", "1p1d", "--no-nixl-micro", "--duration", "30"]))
+    assert opts == BenchOptions(rates=(0.5, 2.0), scenarios="1p1d", nixl_micro=False, duration_s=30.0)
+
+
+def test_kv_geometry_counts_block_bytes_from_the_model_shape() -> None:
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=128)
+    assert g.chunk_bytes == 128 * 2 * 32 * 2
+    assert g.block_bytes == 2 * 2 * g.chunk_bytes == 65536
+    assert [n for _, n in standard_sizes(g, 257)] == [1, 3, 256]
+
+
+# ---- phase arithmetic ----------------------------------------------------------------
+
+
+def test_a_trace_splits_into_consecutive_phases() -> None:
+    t = RequestTrace(t_arrival=10.0, t_prefill_done=10.5, t_decode_sent=10.502, t_first_token=10.7, t_done=11.0)
+    assert t.phases() == pytest.approx({"prefill": 0.5, "route": 0.002, "first_token": 0.198, "decode": 0.3})
+    colocated = RequestTrace(t_arrival=1.0, t_decode_sent=1.001, t_first_token=1.1, t_done=1.5)
+    assert list(colocated.phases()) == ["route", "first_token", "decode"]
+
+
+def _deltas(router: dict[str, float], count: int, **extra: float) -> dict[str, float]:
+    out = {router_phase(p, "sum"): s * count for p, s in router.items()} | {router_phase(p, "count"): count for p in router}
+    return out | extra
+
+
+def test_disaggregated_phases_add_up_to_the_client_ttft() -> None:
+    queue, timed = engine_queue("prefill")
+    deltas = _deltas({"prefill": 0.300, "route": 0.001, "first_token": 0.099, "decode": 1.0}, 4,
+                     **{queue: 0.2, timed: 4, KV_SECONDS: 0.12, KV_TRANSFERS: 4, KV_BYTES: 4 * 131072})
+    phases = ttft_phases(router_phases_from_metrics(deltas), deltas, disaggregated=True, client_ttft_s=0.450)
+    assert phases == pytest.approx({"HTTP + ingress": 0.050, "engine queue": 0.050, "prefill": 0.250, "KV transfer": 0.030, "first decode token": 0.070})
+    assert sum(phases.values()) == pytest.approx(0.450)
+
+
+def test_colocated_phases_fold_prefill_and_first_token_together() -> None:
+    queue, timed = engine_queue("both")
+    deltas = _deltas({"route": 0.001, "first_token": 0.019}, 2, **{queue: 0.004, timed: 2})
+    phases = ttft_phases(router_phases_from_metrics(deltas), deltas, disaggregated=False)
+    assert phases == pytest.approx({"engine queue": 0.002, "prefill": 0.018})
+
+
+def test_router_phases_from_traces_average_each_phase_over_the_traces_that_reached_it() -> None:
+    traces = [RequestTrace(t_arrival=0.0, t_decode_sent=0.0, t_first_token=0.1, t_done=0.5),
+              RequestTrace(t_arrival=0.0, t_decode_sent=0.0, t_first_token=0.3)]
+    assert router_phases_from_traces(traces) == pytest.approx({"route": 0.0, "first_token": 0.2, "decode": 0.4})
+
+
+def test_the_kv_rate_is_bytes_per_transfer_second() -> None:
+    assert kv_rate_gib_s({KV_BYTES: 2**30, KV_SECONDS: 0.5}) == 2.0
+    assert kv_rate_gib_s({KV_BYTES: 0.0, TTFT_COUNT: 3}) is None
+
+
+def test_overhead_is_http_minus_direct_field_by_field() -> None:
+    http = PathFigures(40.0, 35.0, 2.0, 100.0, {"HTTP + ingress": 12.0, "prefill": 28.0})
+    direct = PathFigures(27.0, 25.0, 1.8, None, {"prefill": 27.0})
+    o = Overhead(1.0, http, direct)
+    assert o.added_ms("ttft_mean_ms") == 13.0 and o.added_ms("e2e_p50_ms") is None
+    assert o.phase_rows() == [("HTTP + ingress", 12.0, 0.0, 12.0), ("prefill", 28.0, 27.0, 1.0)]
+
+
+# ---- report pieces -------------------------------------------------------------------
+
+
+def _run(label: str, rate: float, ttft: float, tpot: float) -> RunResult:
+    results = [RequestResult(index=i, start=0.0, latency=ttft + 9 * tpot, token_times=[ttft + k * tpot for k in range(10)], output_tokens=10) for i in range(3)]
+    config = RunConfig("http://x", "m", label, rate, None, "poisson", 0, 0, None, None, True, 60.0)
+    return RunResult(config, environment(), summarize(results, 1.0), results)
+
+
+def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead() -> None:
+    overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(12.0, 12.0, 2.0, 32.0, {}))
+    tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.0021)], overhead=overhead)
+    plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.0020)])
+    table = vllm_comparison([tandem, plain])
+    assert "| 1 | TPOT | 2.0 | 2.1 | +0.1 | within 20% |" in table
+    assert "+200%; Tandem's measured HTTP-path overhead is 18.0 ms" in table
+    assert vllm_comparison([tandem]) == ""
+
+
+def test_the_phase_table_has_one_column_per_scenario_and_path_and_a_total() -> None:
+    report = ScenarioReport(parse_scenario("1p1d"), 1.0, [], phases_ms={"1p1d HTTP": {"prefill": 10.0, "KV transfer": 2.0}, "1p1d direct": {"prefill": 9.0}})
+    table = phase_table([report])
+    assert "| Phase (mean ms) | 1p1d HTTP | 1p1d direct |" in table
+    assert "| KV transfer | 2.0 | — |" in table
+    assert "| **= mean TTFT** | 12.0 | 9.0 |" in table
+
+
+# ---- one real run --------------------------------------------------------------------
+
+
+@pytest.mark.engines
+def test_a_short_colocated_bench_writes_every_file_and_consistent_figures(ray_local, tiny_model, tmp_path) -> None:
+    from benchmarks.bench import run_bench
+    from benchmarks.bench_report import write_bench_report
+
+    opts = BenchOptions(scenarios="colocated:1", rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8, duration_s=30.0, request_timeout_s=60.0)
+    report = run_bench(opts, tmp_path)
+    write_bench_report(report, tmp_path)
+    (scenario,) = report.scenarios
+    (run,) = scenario.runs
+    assert run.summary.num_failed == 0 and scenario.direct is not None and scenario.direct.summary.num_failed == 0
+    http = scenario.phases_ms["colocated:1 HTTP"]
+    assert sum(http.values()) == pytest.approx(run.summary.ttft_ms.mean, rel=1e-6)
+    assert http["engine queue"] >= 0 and http["prefill"] > 0
+    assert scenario.overhead is not None and report.micro and report.geometry is not None
+    for name in ("summary.md", "results.md", "bench.json", "latency.png", "goodput.png", "phases.png"):
+        assert (tmp_path / name).is_file(), name
