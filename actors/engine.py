@@ -41,12 +41,42 @@ class EngineSpec(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
     # vLLM kv_transfer_config dict, None for an engine without a KV connector.
     kv_transfer: dict[str, Any] | None = None
+    # Cores the actor and every process vLLM spawns for it may run on; None: unbound.
+    cores: list[int] | None = None
+    # A KV transfer slower than this (seconds) is counted and logged as a WARNING.
+    slow_transfer_s: float = 1.0
 
 
-def _observe_transfers(stats: EngineStats, data: dict[str, Any]) -> None:
-    """Fold one NixlKVConnectorStats payload (lists per interval) into cumulative stats."""
+def _pin_process(cores: list[int]) -> None:
+    """Confine every thread of this process, and so every process it spawns later, to `cores`.
+
+    vLLM binds only its OpenMP compute threads; its scheduler process, this actor's event
+    loop and NIXL would otherwise float onto other engines' cores and preempt their steps.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) -> None:
+    """Fold one NixlKVConnectorStats payload (lists per interval) into cumulative stats;
+    count and log every transfer slower than `slow_s` (TandemNixlConnector adds the
+    request ids, vLLM's NixlConnector does not)."""
     t = stats.transfers
     durations = data.get("transfer_duration", [])
+    sizes = data.get("bytes_transferred", [])
+    request_ids = data.get("request_ids", [])
+    for i, d in enumerate(durations):
+        if d > slow_s:
+            t.num_slow += 1
+            logger.warning(
+                "slow KV transfer on engine %s: request %s, %d bytes in %.3f s (threshold %.3f s)",
+                stats.engine_id,
+                request_ids[i] if i < len(request_ids) and request_ids[i] else "<unknown>",
+                int(sizes[i]) if i < len(sizes) else -1, d, slow_s,
+            )
     t.num_transfers += len(durations)
     t.bytes += int(sum(data.get("bytes_transferred", [])))
     t.num_failed += len(data.get("num_failed_transfers", [])) + len(data.get("num_failed_handshakes", []))
@@ -57,18 +87,19 @@ def _observe_transfers(stats: EngineStats, data: dict[str, Any]) -> None:
         t.bucket_counts[idx] += 1
 
 
-def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any]) -> None:
+def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s: float = 1.0) -> None:
     """Dispatch a scheduler_stats.kv_connector_stats payload by its shape.
 
     NixlConnector alone sends its data dict; a MultiConnector sends {child name: stats}
     whose values are stats objects or {"data": ...} dicts; Tandem's connectors send
-    {"counters": {name: {counter: value}}}.
+    {"counters": {name: {counter: value}}}; TandemMultiConnector sends per-child counters
+    {"children": {name: {counter: value}}} (connectors.multi.StatsPayload).
     """
     if "transfer_duration" in payload:
-        _observe_transfers(stats, payload)
+        _observe_transfers(stats, payload, slow_s)
         return
-    if "counters" in payload:
-        for name, counters in payload["counters"].items():
+    if "counters" in payload or "children" in payload:
+        for name, counters in payload.get("counters", payload.get("children", {})).items():
             mine = stats.connector_counters.setdefault(name, {})
             for key, value in counters.items():
                 mine[key] = mine.get(key, 0) + value
@@ -76,7 +107,7 @@ def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any]) -> Non
     for child in payload.values():
         data = getattr(child, "data", child)
         if isinstance(data, dict):
-            _observe_connector_stats(stats, data.get("data", data) if "data" in data else data)
+            _observe_connector_stats(stats, data.get("data", data) if "data" in data else data, slow_s)
 
 
 @ray.remote
@@ -103,7 +134,10 @@ class EngineActor:
             kv_transfer_config=self.spec.kv_transfer,
             **self.spec.engine_args,
         )
-        factory = partial(TandemStatLogger, sink=self.stats, observe_connector=_observe_connector_stats)
+        if self.spec.cores is not None:
+            _pin_process(self.spec.cores)
+        observe = partial(_observe_connector_stats, slow_s=self.spec.slow_transfer_s)
+        factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
         # AsyncLLM's constructor waits for the engine core process; keep the loop free.
         self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
         vcfg = self.llm.vllm_config

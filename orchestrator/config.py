@@ -64,6 +64,25 @@ class PoolConfig(Struct, forbid_unknown_fields=True, frozen=True):
     engine_args: dict[str, Any] = {}
 
 
+class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""
+
+    # Run NIXL's UCX progress thread. NIXL's Python API fixes its poll delay at 0, so the
+    # thread busy-polls about one core per engine, idle or not. Off: vLLM's engine loop
+    # drives transfers (it steps while a request sends or receives KV, sleeps when idle).
+    progress_thread: bool = False
+    # Dedicated UCX worker threads per engine (vLLM's default: 4). Each busy-polls while a
+    # transfer of >= 1024 descriptors is in flight; 0 runs transfers on the engine thread.
+    num_threads: Annotated[int, Meta(ge=0)] = 0
+    # How the agent serialises calls from vLLM's threads (its handshake thread adds peers
+    # while the engine thread polls): "strict" one lock around every agent call, "rw" a
+    # reader-writer lock plus a thread-safe UCX worker.
+    sync_mode: Literal["strict", "rw"] = "strict"
+    # Extra environment for engine processes, for UCX (UCX_TLS, UCX_NET_DEVICES, ...).
+    # Empty lets UCX choose: shared memory / CMA within a host, TCP or RDMA across hosts.
+    ucx_env: dict[str, str] = {}
+
+
 class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # A connector name known to connectors.registry (vLLM's or Tandem's), or a class
     # name in `module_path`.
@@ -79,6 +98,11 @@ class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Run one request through every prefill->decode pair before reporting ready, so no
     # user request pays for the first NIXL handshake.
     prewarm_handshakes: bool = True
+    # NIXL agent settings, used by TandemNixlConnector.
+    nixl: NixlConfig = NixlConfig()
+    # A KV transfer slower than this (seconds) is counted in tandem_kv_transfer_slow_total
+    # and logged as a WARNING by the engine that received it.
+    slow_transfer_s: Annotated[float, Meta(gt=0)] = 1.0
 
 
 class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -102,6 +126,23 @@ class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):
     bind_cores: Literal["auto", "off"] = "auto"
 
 
+PoolRole = Literal["prefill", "decode", "both"]
+
+
+class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # The cluster-wide CPU KV tier: an index actor plus one store actor per node that
+    # hosts engines; engines save prompt KV blocks there and load shared prefixes back.
+    enabled: bool = False
+    # Host memory of each node's store pool, GiB (allocated up front).
+    size_gib: Annotated[float, Meta(gt=0)] = 0.5
+    # Which block to drop when a store is full.
+    eviction: Literal["lru"] = "lru"
+    # Pools whose engines write their computed prompt blocks to the tier.
+    save_from: frozenset[PoolRole] = frozenset({"prefill", "both"})
+    # Pools whose engines load held prefixes from the tier instead of computing them.
+    load_into: frozenset[PoolRole] = frozenset({"prefill", "both"})
+
+
 class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
     model: ModelConfig = ModelConfig()
     device: Literal["cpu", "cuda"] = "cpu"
@@ -116,6 +157,7 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
     routing: RoutingConfig = RoutingConfig()
     serve: ServeConfig = ServeConfig()
     cpu: CpuHostConfig = CpuHostConfig()
+    cpu_tier: CpuTierConfig = CpuTierConfig()
 
     def __post_init__(self) -> None:
         if self.colocated is not None and (self.prefill is not None or self.decode is not None):

@@ -13,11 +13,14 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.engine import EngineActor, EngineSpec
+from actors.kv_index import KVIndexActor
+from actors.kv_store import KVStoreActor, TierSettings, index_actor_name, store_actor_name
 from actors.protocol import EngineInfo, Role, SamplingOptions
 from orchestrator.config import TandemConfig
 from orchestrator.placement import EngineSlot, assign_slots
@@ -32,20 +35,43 @@ class DeployError(RuntimeError):
     """The deployment could not start; the message says which part and why."""
 
 
-def kv_transfer_for(cfg: TandemConfig, role: Role) -> dict[str, Any] | None:
-    """The vLLM kv_transfer_config of an engine in `role` (None: no connector)."""
-    if not cfg.disaggregated:
-        return None
+def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = None) -> dict[str, Any] | None:
+    """The vLLM kv_transfer_config of an engine in `role` (None: no connector).
+
+    With the CPU tier enabled, the engine runs TandemMultiConnector with children
+    [P/D connector (disaggregated only), CPU tier connector]. `tier` is the engine's tier
+    settings (its node's store); None leaves the tier child's extra config empty, which is
+    enough for validation (orchestrator.preflight) but not for an engine.
+    """
     kv = cfg.kv_transfer
-    out: dict[str, Any] = {
-        "kv_connector": kv.connector,
+    children: list[dict[str, Any]] = []
+    if cfg.disaggregated:
+        pd: dict[str, Any] = {
+            "kv_connector": kv.connector,
+            "kv_role": KV_ROLES[role],
+            "kv_buffer_device": kv.buffer_device,
+            "kv_connector_extra_config": dict(kv.extra_config),
+        }
+        if kv.module_path is not None:
+            pd["kv_connector_module_path"] = kv.module_path
+        children.append(pd)
+    if cfg.cpu_tier.enabled:
+        children.append({
+            "kv_connector": "TandemCpuTierConnector",
+            "kv_connector_module_path": "connectors.offload",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": msgspec.to_builtins(tier) if tier is not None else {},
+        })
+    if not cfg.cpu_tier.enabled:
+        return children[0] if children else None
+    # Even a lone tier child runs under the multi connector, which counts hits and fallbacks.
+    return {
+        "kv_connector": "TandemMultiConnector",
+        "kv_connector_module_path": "connectors.multi",
         "kv_role": KV_ROLES[role],
         "kv_buffer_device": kv.buffer_device,
-        "kv_connector_extra_config": dict(kv.extra_config),
+        "kv_connector_extra_config": {"connectors": children},
     }
-    if kv.module_path is not None:
-        out["kv_connector_module_path"] = kv.module_path
-    return out
 
 
 def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
@@ -71,6 +97,9 @@ class Deployment:
         self.engines: list[EngineRef] = []
         self.infos: list[EngineInfo] = []
         self._pgs: list[PlacementGroup] = []
+        # CPU tier actors (cfg.cpu_tier.enabled): the index, and a store per engine node.
+        self.kv_index: Any = None
+        self.kv_stores: dict[str, Any] = {}
 
     def start(self, timeout_s: float = 900.0) -> list[EngineRef]:
         """Start every pool and pre-warm handshakes; on any failure, tear down and raise."""
@@ -101,17 +130,24 @@ class Deployment:
             bind_cores=cfg.device == "cpu" and cfg.cpu.bind_cores == "auto",
             model_source=cfg.model.source,
         )
+        if cfg.cpu_tier.enabled:
+            self._start_cpu_tier(sorted(set(nodes)))
         handles = []
         for (role, i), pg, slot in zip(replicas, self._pgs, slots):
             pool = cfg.pools[role]
+            engine_args = cfg.engine_args_for(role)
+            kv_transfer = kv_transfer_for(cfg, role, self._tier_settings(role, slot.node_id))
+            if cfg.cpu_tier.enabled:
+                # The tier connector handles one KV cache group (no hybrid KV cache manager).
+                engine_args = {**engine_args, "disable_hybrid_kv_cache_manager": True}
             spec = EngineSpec(
                 engine_id=f"{role}-{i}",
                 role=role,
                 model_path=slot.model_path,
                 served_name=cfg.model.name,
-                engine_args=cfg.engine_args_for(role),
+                engine_args=engine_args,
                 tensor_parallel_size=pool.tensor_parallel_size,
-                kv_transfer=kv_transfer_for(cfg, role),
+                kv_transfer=kv_transfer,
             )
             handle = EngineActor.options(
                 name=f"{cfg.serve.app_name}:{spec.engine_id}",
@@ -131,6 +167,38 @@ class Deployment:
         logger.info("%d engines up in %.1f s", len(self.engines), time.perf_counter() - t0)
         if cfg.disaggregated and cfg.kv_transfer.prewarm_handshakes:
             asyncio.run(self.prewarm())
+
+    def _start_cpu_tier(self, node_ids: list[str]) -> None:
+        """Start the tier's index and one store per engine node, and wait until every store
+        has registered its pool, so the engines' first saves find them."""
+        tier, app = self.cfg.cpu_tier, self.cfg.serve.app_name
+        self.kv_index = KVIndexActor.options(name=index_actor_name(app)).remote()
+        namespace = ray.get_runtime_context().namespace
+        for node_id in node_ids:
+            self.kv_stores[node_id] = KVStoreActor.options(
+                name=store_actor_name(app, node_id),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(node_id[:12], int(tier.size_gib * 2**30), index_actor_name(app), namespace)
+        try:
+            ray.get([s.info.remote() for s in self.kv_stores.values()], timeout=120)
+        except Exception as err:
+            raise DeployError(
+                f"CPU tier stores did not start ({err}); check that each node has "
+                f"{tier.size_gib} GiB of free host memory (cpu_tier.size_gib) and that nixl is installed"
+            ) from err
+        logger.info("CPU tier up: %d store(s) of %.2f GiB", len(self.kv_stores), tier.size_gib)
+
+    def _tier_settings(self, role: Role, node_id: str) -> TierSettings | None:
+        tier = self.cfg.cpu_tier
+        if not tier.enabled:
+            return None
+        return TierSettings(
+            ray_address=ray.get_runtime_context().gcs_address,
+            namespace=ray.get_runtime_context().namespace,
+            index_actor=index_actor_name(self.cfg.serve.app_name),
+            store_id=node_id[:12] if role in tier.save_from else None,
+            load=role in tier.load_into,
+        )
 
     def _wait_for_placement(self, replicas: list[tuple[Role, int]], timeout_s: float) -> None:
         ready, _ = ray.wait([pg.ready() for pg in self._pgs], num_returns=len(self._pgs), timeout=timeout_s)
@@ -193,6 +261,12 @@ class Deployment:
             for e in self.engines:
                 ray.kill(e.handle, no_restart=True)
             logger.info("stopped %d engines", len(self.engines))
+        for actor in [*self.kv_stores.values(), self.kv_index]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if self.kv_index is not None:
+            logger.info("stopped the CPU tier (%d stores)", len(self.kv_stores))
         for pg in self._pgs:
             remove_placement_group(pg)
         self.engines, self.infos, self._pgs = [], [], []
+        self.kv_index, self.kv_stores = None, {}

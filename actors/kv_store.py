@@ -1,0 +1,105 @@
+"""The CPU KV tier's store: one host-memory pool per Ray node, registered with NIXL.
+
+This is the worker role's memory of the tier. Engine workers write KV blocks into the pool
+and read them back with one-sided NIXL transfers (DRAM<->DRAM over UCX); the store actor
+itself never touches the bytes, it only owns the memory and announces where it is. Slot
+bookkeeping lives in the index actor.
+
+The store's NIXL agent needs a UCX progress thread (without one, writes into the pool never
+complete); it is built with a nonzero progress delay so it does not spin a whole core
+(see ``connectors.offload_worker.make_nixl_agent``). Engine-side agents initiate every
+transfer and drive their own progress by polling, so they run without the thread.
+
+A store is restartable (``max_restarts``): a restart allocates a fresh pool, registers a
+new incarnation with the index, and the index forgets the old incarnation's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import msgspec
+import numpy as np
+import ray
+
+from actors.kv_index import StoreEndpoint
+from connectors.offload_worker import make_nixl_agent
+
+logger = logging.getLogger("tandem.kv_store")
+
+
+class TierSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How an engine reaches the tier: kv_connector_extra_config of the CPU tier connector
+    (connectors.offload), built per engine by orchestrator.deploy."""
+
+    # GCS address of the Ray cluster ("ip:port"), joined by the engine process.
+    ray_address: str
+    namespace: str
+    # Named actor of the tier's index.
+    index_actor: str
+    # Store id this engine saves to (its node's store); None: the engine does not save.
+    store_id: str | None = None
+    # Whether this engine loads prefixes from the tier.
+    load: bool = True
+
+
+class StoreStats(msgspec.Struct, frozen=True):
+    store_id: str
+    incarnation: str
+    pid: int
+    # Bytes of the registered pool (fixed at start; the store never grows it).
+    pool_bytes: int
+    # Resident set size of the store process.
+    rss_bytes: int
+
+
+def store_actor_name(app_name: str, node_id: str) -> str:
+    """The named actor of a node's store (one per node that hosts engines)."""
+    return f"{app_name}:kv-store:{node_id[:12]}"
+
+
+def index_actor_name(app_name: str) -> str:
+    return f"{app_name}:kv-index"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class KVStoreActor:
+    """A pinned-size host pool behind a NIXL agent, registered with the index at start."""
+
+    def __init__(self, store_id: str, pool_bytes: int, index_name: str, namespace: str) -> None:
+        self.store_id = store_id
+        self.incarnation = uuid.uuid4().hex[:8]
+        # Touch every page now so the pool's memory is committed (and measured) up front.
+        self.pool = np.zeros(pool_bytes, dtype=np.uint8)
+        self.agent = make_nixl_agent(f"tandem-kv-store-{store_id}-{self.incarnation}", progress_thread=True)
+        self.agent.register_memory([(self.pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
+        self.endpoint = StoreEndpoint(
+            store_id=store_id,
+            node_id=ray.get_runtime_context().get_node_id(),
+            incarnation=self.incarnation,
+            agent_name=self.agent.name,
+            agent_metadata=self.agent.get_agent_metadata(),
+            base_addr=self.pool.ctypes.data,
+            pool_bytes=pool_bytes,
+        )
+        index = ray.get_actor(index_name, namespace=namespace)
+        ray.get(index.register_store.remote(self.endpoint))
+        logger.info("CPU tier store %s up: %.2f GiB pool, incarnation %s",
+                    store_id, pool_bytes / 2**30, self.incarnation)
+
+    def info(self) -> StoreEndpoint:
+        return self.endpoint
+
+    def stats(self) -> StoreStats:
+        return StoreStats(self.store_id, self.incarnation, os.getpid(), self.pool.nbytes, _rss_bytes())
+
+    def read(self, offset: int, length: int) -> bytes:
+        """A copy of pool bytes, for tests and debugging only (never on the serving path)."""
+        return self.pool[offset : offset + length].tobytes()

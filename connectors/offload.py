@@ -1,0 +1,278 @@
+"""The CPU KV tier connector: engines save prompt KV blocks to a store actor's host pool and
+load shared prefixes back, across engines and nodes.
+
+Loaded with ``kv_connector="TandemCpuTierConnector"``,
+``kv_connector_module_path="connectors.offload"`` (usually as a child of
+TandemMultiConnector). ``kv_connector_extra_config`` is a ``TierSettings`` (written by
+``orchestrator.deploy``): where the Ray cluster and the tier's actors are, and whether this
+engine saves and/or loads.
+
+Scheduler role (engine core): asks the index actor, asynchronously, how long a prefix of
+the request's block hashes is held ("not yet" until the answer arrives), pins it for the
+load, plans loads into the blocks vLLM allocates, and plans saves of newly computed full
+prompt blocks. Worker role (next to the KV cache): moves the bytes through NIXL, see
+``connectors.offload_worker``. Both run in the engine process, which joins the Ray cluster
+as a driver to reach the actors; Ray calls carry hashes and slot numbers, never KV bytes.
+
+Why not vLLM's OffloadingConnector with an out-of-tree OffloadingSpec: see docs/cpu-tier.md
+(it asserts that no transfer fails, so a dead store would crash the engine instead of
+recomputing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import ray
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from actors.kv_index import BlockLocation
+from actors.kv_store import TierSettings
+from connectors.offload_worker import CpuTierWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("tandem.cpu_tier")
+
+# A lookup unanswered after this long counts as a miss (the request is admitted cold).
+LOOKUP_TIMEOUT_S = 2.0
+
+
+class LoadJob(msgspec.Struct, frozen=True):
+    req_id: str
+    block_ids: list[int]
+    locations: list[BlockLocation]
+
+
+class SaveJob(msgspec.Struct, frozen=True):
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class TierMetadata(KVConnectorMetadata):
+    """One step's plan, scheduler -> worker."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class TierStats(KVConnectorStats):
+    """{"bytes_loaded", "bytes_saved", "tokens_saved"}: read by TandemMultiConnector."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _join_ray(settings: TierSettings) -> Any:
+    """Connect this engine process to the cluster (once) and return the index actor."""
+    if not ray.is_initialized():
+        ray.init(address=settings.ray_address, namespace=settings.namespace,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    return ray.get_actor(settings.index_actor, namespace=settings.namespace)
+
+
+class _Pending:
+    """An in-flight or answered lookup of one request."""
+
+    __slots__ = ("ref", "started", "first_block", "locations")
+
+    def __init__(self, ref: Any, first_block: int) -> None:
+        self.ref = ref
+        self.started = time.monotonic()
+        self.first_block = first_block
+        self.locations: list[BlockLocation] | None = None
+
+
+class TandemCpuTierConnector(KVConnectorBase_V1):
+    """Facade: picks the scheduler-side or worker-side half once, by role."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # checked by the base class
+        self.settings = msgspec.convert(ktc.kv_connector_extra_config, TierSettings)
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        self.index = _join_ray(self.settings)
+        self.worker = CpuTierWorker(self.index, self.settings.store_id, self.engine_id) if role == KVConnectorRole.WORKER else None
+        # Scheduler state, keyed by request id and dropped in request_finished.
+        self._requests: dict[str, Request] = {}
+        self._lookups: dict[str, _Pending] = {}
+        self._saved_blocks: dict[str, int] = {}
+        self._meta = TierMetadata()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is a later miss, never a wrong answer."""
+        return False
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Called while admitting a request, maybe several times. Returns (None, False) while
+        the index lookup is in flight, then (tokens of the held prefix beyond
+        num_computed_tokens, True: loaded asynchronously), or (0, False) on a miss."""
+        if not self.settings.load:
+            return 0, False
+        req_id = request.request_id
+        # At least one prompt token must be computed to produce logits.
+        max_blocks = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        first = num_computed_tokens // self.block_size
+        if first >= max_blocks:
+            return 0, False
+        pending = self._lookups.get(req_id)
+        if pending is None or pending.first_block != first:
+            hashes = [bytes(h) for h in request.block_hashes[first:max_blocks]]
+            self._lookups[req_id] = _Pending(self.index.lookup.remote(self._pin_key(req_id), hashes), first)
+            return None, False
+        if pending.locations is None:
+            ready, _ = ray.wait([pending.ref], timeout=0)
+            if not ready:
+                if time.monotonic() - pending.started < LOOKUP_TIMEOUT_S:
+                    return None, False
+                logger.warning("CPU tier lookup of request %s timed out; computing it", req_id)
+                pending.locations = []
+            else:
+                try:
+                    pending.locations = ray.get(pending.ref).locations
+                except Exception as err:  # index gone: serve without the tier
+                    logger.warning("CPU tier lookup of request %s failed (%s); computing it", req_id, err)
+                    pending.locations = []
+        num_blocks = len(pending.locations)
+        if num_blocks == 0:
+            return 0, False
+        return (first + num_blocks) * self.block_size - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Called after vLLM allocates blocks for an admitted request (twice for an async
+        load). Plans the load of the looked-up locations into the new blocks."""
+        req_id = request.request_id
+        self._requests[req_id] = request
+        pending = self._lookups.pop(req_id, None)
+        if num_external_tokens == 0 or pending is None or not pending.locations:
+            if pending is not None:
+                self.index.unpin.remote(self._pin_key(req_id))
+            return
+        # `blocks` are all the request's blocks; the load fills those after the local hit.
+        first, num_blocks = pending.first_block, num_external_tokens // self.block_size
+        block_ids = blocks.get_block_ids()[0][first : first + num_blocks]
+        self._meta.loads.append(LoadJob(req_id, block_ids, pending.locations[:num_blocks]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Called once per step: the loads planned since the last step, and saves of the full
+        prompt blocks this step computes."""
+        if self.settings.store_id is not None:
+            steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+            cached = scheduler_output.scheduled_cached_reqs
+            steps += list(zip(cached.req_ids, cached.num_computed_tokens))
+            for req_id, computed in steps:
+                self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        meta, self._meta = self._meta, TierMetadata()
+        return meta
+
+    def _plan_save(self, req_id: str, computed_after: int) -> None:
+        request = self._requests.get(req_id)
+        if request is None or self._kv_cache_manager is None:
+            return
+        full = min(computed_after, request.num_prompt_tokens) // self.block_size
+        full = min(full, len(request.block_hashes))
+        done = self._saved_blocks.get(req_id, 0)
+        if full <= done:
+            return
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][done:full]
+        hashes = [bytes(h) for h in request.block_hashes[done:full]]
+        self._meta.saves.append(SaveJob(block_ids, hashes))
+        self._saved_blocks[req_id] = full
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Called once per step with the workers' results: a finished load releases its pins."""
+        for req_id in connector_output.finished_recving or ():
+            self.index.unpin.remote(self._pin_key(req_id))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request ends. Saves are synchronous, so blocks may be freed now."""
+        req_id = request.request_id
+        if self._lookups.pop(req_id, None) is not None or req_id in self._requests:
+            self.index.unpin.remote(self._pin_key(req_id))
+        self._requests.pop(req_id, None)
+        self._saved_blocks.pop(req_id, None)
+        return False, None
+
+    def _pin_key(self, req_id: str) -> str:
+        return f"{self.engine_id}/{req_id}"
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches, self.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Called before each forward pass: post this step's planned loads."""
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierMetadata)
+        for job in meta.loads:
+            self.worker.start_load(job.req_id, job.block_ids, job.locations)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        """Called after each forward pass: write the blocks it completed to the store."""
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierMetadata)
+        for job in meta.saves:
+            self.worker.save(job.block_ids, job.hashes, self.block_size)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Called once per step: requests whose loads ended (errors reported separately)."""
+        assert self.worker is not None
+        return None, self.worker.poll_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_error_blocks() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        stats = TierStats(data=self.worker.take_counters())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierStats(data=dict(data or {}))
