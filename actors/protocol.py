@@ -77,6 +77,8 @@ class TransferStats(msgspec.Struct):
 
     num_transfers: int = 0
     num_failed: int = 0
+    # Transfers slower than the engine's slow_transfer_s (each also logged as a WARNING).
+    num_slow: int = 0
     bytes: int = 0
     seconds: float = 0.0
     max_seconds: float = 0.0

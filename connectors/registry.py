@@ -81,6 +81,13 @@ def register_connector(name: str, module_path: str, class_name: str) -> None:
     _REGISTRY.register(name, module_path, class_name)
 
 
+def tandem_module_path(name: str) -> str | None:
+    """The module of a connector registered by Tandem (engines load it by module path);
+    None for vLLM's names and unknown ones."""
+    spec = _REGISTRY.get(name)
+    return spec.module_path if spec is not None else None
+
+
 def registered_names() -> list[str]:
     """Every name ``resolve_connector`` accepts without a module path, sorted."""
     return sorted({name for name, _ in _REGISTRY.items()} | _vllm_names())
@@ -260,3 +267,4 @@ def register_in_vllm() -> None:
 
 
 register_connector("TandemMultiConnector", "connectors.multi", "TandemMultiConnector")
+register_connector("TandemNixlConnector", "connectors.nixl", "TandemNixlConnector")

@@ -46,14 +46,19 @@ def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = N
     kv = cfg.kv_transfer
     children: list[dict[str, Any]] = []
     if cfg.disaggregated:
+        from connectors.registry import tandem_module_path
+
         pd: dict[str, Any] = {
             "kv_connector": kv.connector,
             "kv_role": KV_ROLES[role],
             "kv_buffer_device": kv.buffer_device,
             "kv_connector_extra_config": dict(kv.extra_config),
         }
-        if kv.module_path is not None:
-            pd["kv_connector_module_path"] = kv.module_path
+        module_path = kv.module_path or tandem_module_path(kv.connector)
+        if module_path is not None:
+            pd["kv_connector_module_path"] = module_path
+        if module_path == "connectors.nixl":
+            pd["kv_connector_extra_config"].setdefault("tandem_nixl", msgspec.to_builtins(kv.nixl))
         children.append(pd)
     if cfg.cpu_tier.enabled:
         children.append({
@@ -86,6 +91,8 @@ def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
             env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_binding
     if cfg.model.source.startswith("builtin:"):
         env["HF_HUB_OFFLINE"] = "1"
+    if cfg.disaggregated:
+        env.update(cfg.kv_transfer.nixl.ucx_env)
     return env
 
 
@@ -148,6 +155,8 @@ class Deployment:
                 engine_args=engine_args,
                 tensor_parallel_size=pool.tensor_parallel_size,
                 kv_transfer=kv_transfer,
+                cores=slot.cores,
+                slow_transfer_s=cfg.kv_transfer.slow_transfer_s,
             )
             handle = EngineActor.options(
                 name=f"{cfg.serve.app_name}:{spec.engine_id}",

@@ -28,6 +28,7 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
     kv_bytes = fam(CounterMetricFamily, "tandem_kv_transfer_bytes", "KV cache bytes this engine loaded through its KV connector")
     kv_num = fam(CounterMetricFamily, "tandem_kv_transfers", "KV transfers this engine completed")
     kv_failed = fam(CounterMetricFamily, "tandem_kv_transfer_failures", "KV transfers or handshakes that failed")
+    kv_slow = fam(CounterMetricFamily, "tandem_kv_transfer_slow", "KV transfers slower than kv_transfer.slow_transfer_s")
     kv_max = fam(GaugeMetricFamily, "tandem_kv_transfer_max_seconds", "Slowest KV transfer seen by this engine")
     kv_time = fam(HistogramMetricFamily, "tandem_kv_transfer_seconds", "Time per KV transfer")
     prompt = fam(CounterMetricFamily, "tandem_prompt_tokens", "Prompt tokens by where their KV came from", ["source"])
@@ -47,6 +48,7 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
         kv_bytes.add_metric(lv, t.bytes)
         kv_num.add_metric(lv, t.num_transfers)
         kv_failed.add_metric(lv, t.num_failed)
+        kv_slow.add_metric(lv, t.num_slow)
         kv_max.add_metric(lv, t.max_seconds)
         cumulative, running_total = [], 0
         for bound, n in zip([*map(str, TRANSFER_BUCKETS), "+Inf"], t.bucket_counts):
@@ -68,7 +70,7 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
         timed.add_metric(lv, s.num_timed_requests)
         for name, seconds in s.phase_seconds.items():
             phase.add_metric(lv + [name], seconds)
-    return [kv_bytes, kv_num, kv_failed, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn, timed, phase]
+    return [kv_bytes, kv_num, kv_failed, kv_slow, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn, timed, phase]
 
 
 class _EngineCollector:

@@ -33,8 +33,10 @@ class EngineSlot(msgspec.Struct, frozen=True):
     node_ip: str
     model_path: str
     side_channel_port: int
-    # VLLM_CPU_OMP_THREADS_BIND value ("0-3", or "0-1|2-3" for TP ranks); None: unbound.
+    # VLLM_CPU_OMP_THREADS_BIND value ("0,1,2", or "0|1" for TP ranks); None: unbound.
     cpu_binding: str | None
+    # Cores of the engine's whole process tree (actor, engine core, workers); None: unbound.
+    cores: list[int] | None = None
 
 
 @ray.remote(num_cpus=0)
@@ -62,14 +64,27 @@ def _share(items: list[int], parts: int, i: int) -> list[int]:
     return items[i * per : (i + 1) * per] if per else [items[i % len(items)]]
 
 
-def split_cores(cores: list[int], num_engines: int, index: int, tp: int) -> str:
-    """The VLLM_CPU_OMP_THREADS_BIND of engine `index` of `num_engines` sharing `cores`.
+def engine_cores(cores: list[int], num_engines: int, index: int) -> list[int]:
+    """The cores of engine `index` of `num_engines` sharing `cores`: disjoint contiguous
+    slices while there are enough cores, shared round robin otherwise."""
+    return _share(cores, num_engines, index)
 
-    Engines get disjoint contiguous slices while there are enough cores, and share cores
-    round robin otherwise; each TP rank gets a sub-slice, ranks joined by "|".
+
+def omp_binding(mine: list[int], tp: int) -> str:
+    """The VLLM_CPU_OMP_THREADS_BIND of an engine owning cores `mine`, with `tp` ranks.
+
+    The last core is left out of OpenMP whenever every rank still gets one: it runs the
+    engine's threads that are not OpenMP (vLLM's scheduler process, the actor's event loop,
+    NIXL/UCX, Python threads), which would otherwise preempt a compute thread mid-step.
+    Each rank gets a sub-slice; ranks are joined by "|".
     """
-    mine = _share(cores, num_engines, index)
-    return "|".join(",".join(map(str, _share(mine, tp, r))) for r in range(tp))
+    usable = mine[:-1] if len(mine) > tp else mine
+    return "|".join(",".join(map(str, _share(usable, tp, r))) for r in range(tp))
+
+
+def split_cores(cores: list[int], num_engines: int, index: int, tp: int) -> str:
+    """The VLLM_CPU_OMP_THREADS_BIND of engine `index` of `num_engines` sharing `cores`."""
+    return omp_binding(engine_cores(cores, num_engines, index), tp)
 
 
 def assign_slots(
@@ -96,7 +111,8 @@ def assign_slots(
     for i, nid in enumerate(replica_nodes):
         f = facts[nid]
         k, n = per_node[nid].index(i), len(per_node[nid])
-        binding = split_cores(f.cores, n, k, tp_sizes[i]) if bind_cores else None
+        mine = engine_cores(f.cores, n, k) if bind_cores else None
+        binding = omp_binding(mine, tp_sizes[i]) if mine is not None else None
         port = base_port + per_ip[f.node_ip].index(i)
-        slots.append(EngineSlot(nid, f.node_ip, f.model_path, port, binding))
+        slots.append(EngineSlot(nid, f.node_ip, f.model_path, port, binding, mine))
     return slots

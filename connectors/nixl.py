@@ -1,0 +1,168 @@
+"""TandemNixlConnector: vLLM's NixlConnector with a NIXL agent built on purpose.
+
+Why it exists: vLLM builds each worker's NIXL agent as
+``nixl_agent_config(num_threads=<extra_config num_threads, 4>, capture_telemetry=True)``
+and NIXL's Python API then hard-codes ``pthrDelay = 0``. Every engine so keeps a UCX
+progress thread that polls without sleeping (about one core per engine, idle or not) and
+four dedicated UCX threads that busy-poll while a large transfer is in flight. On a CPU
+host those threads take the cores the engines' forward passes run on: with two engines on
+two cores, decode slowed ~10x and some KV pulls stalled for seconds. Neither setting can be
+reached from vLLM's config, so this connector builds the agent itself from
+``kv_connector_extra_config["tandem_nixl"]`` (Tandem's ``kv_transfer.nixl``, see
+:class:`orchestrator.config.NixlConfig`). By default: no progress thread (vLLM's engine
+loop polls NIXL every step while a request sends or receives KV and sleeps when idle, so
+transfers still progress on both sides), no dedicated threads, and a strict agent lock
+because vLLM's handshake thread calls the agent concurrently with the engine thread.
+
+It also tags every completed transfer with its request id, so the engine actor can name
+the request of a slow transfer (``TandemNixlStats``).
+
+Everything else is vLLM's pull-mode (READ) NixlConnector, unchanged. Engines load it with
+``kv_connector="TandemNixlConnector"``, ``kv_connector_module_path="connectors.nixl"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+from vllm.logger import init_logger
+
+from orchestrator.config import NixlConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+# The kv_connector_extra_config key that carries a NixlConfig as plain data.
+EXTRA_CONFIG_KEY = "tandem_nixl"
+
+
+def settings_from_extra_config(extra: dict[str, Any] | None) -> NixlConfig:
+    """The NixlConfig an engine was given (defaults when the key is absent)."""
+    return msgspec.convert((extra or {}).get(EXTRA_CONFIG_KEY, {}), NixlConfig)
+
+
+def agent_config_kwargs(settings: NixlConfig, backends: list[str]) -> dict[str, Any]:
+    """Keyword arguments of ``nixl_agent_config`` for these settings (sync mode as a name).
+
+    ``num_threads`` only applies to the UCX backend's thread pool; other backends keep
+    NIXL's defaults, as vLLM does.
+    """
+    kwargs: dict[str, Any] = {
+        "enable_prog_thread": settings.progress_thread,
+        "capture_telemetry": True,
+        "backends": list(backends),
+        "sync_mode": settings.sync_mode,
+    }
+    if backends == ["UCX"]:
+        kwargs["num_threads"] = settings.num_threads
+    return kwargs
+
+
+def build_agent(settings: NixlConfig, backends: list[str]) -> Any:
+    """A NIXL agent (the class vLLM's worker uses, for the platform's NIXL build) with these settings."""
+    from vllm.distributed import nixl_utils
+
+    wrapper_cls = nixl_utils.NixlWrapper
+    if wrapper_cls is None:
+        raise RuntimeError("NIXL is not available in this process; install nixl on every engine node")
+    api = importlib.import_module(wrapper_cls.__module__)
+    kwargs = agent_config_kwargs(settings, backends)
+    kwargs["sync_mode"] = {
+        "strict": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        "rw": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+    }[kwargs["sync_mode"]]
+    return wrapper_cls(str(uuid.uuid4()), nixl_utils.nixl_agent_config(**kwargs))
+
+
+class TandemNixlStats(NixlKVConnectorStats):
+    """NixlKVConnectorStats plus ``request_ids``: the request of each entry of
+    ``transfer_duration`` / ``bytes_transferred``, in the same order."""
+
+    # The request whose transfers the worker is polling; set around each request's poll.
+    polling_request: str | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.data["request_ids"] = []
+
+    def record_transfer(self, res: Any) -> None:
+        if res is not None:
+            self.data.setdefault("request_ids", []).append(self.polling_request or "")
+        super().record_transfer(res)
+
+    def aggregate(self, other: Any) -> TandemNixlStats:
+        # A plain NixlKVConnectorStats (no request ids) keeps the lists aligned with blanks.
+        if not other.is_empty() and "request_ids" not in other.data:
+            other.data["request_ids"] = [""] * len(other.data["transfer_duration"])
+        super().aggregate(other)
+        return self
+
+
+class TandemNixlWorker(NixlPullConnectorWorker):
+    """vLLM's pull worker with a Tandem-built agent and per-request transfer records."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        settings = settings_from_extra_config(extra)
+        # vLLM's agent has no memory registered and no peers yet (both happen later), so
+        # replacing it here is safe; dropping it stops its busy progress thread.
+        self.nixl_wrapper = build_agent(settings, list(self.nixl_backends))
+        self.xfer_stats = TandemNixlStats()
+        logger.info(
+            "Tandem NIXL agent for engine %s: progress_thread=%s num_threads=%d sync_mode=%s",
+            engine_id, settings.progress_thread, settings.num_threads, settings.sync_mode,
+        )
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        """vLLM's poll, one request at a time, so each recorded transfer knows its request."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        stats = self.xfer_stats
+        for req_id in list(transfers):
+            one = {req_id: transfers[req_id]}
+            stats.polling_request = req_id
+            try:
+                d, f = super()._pop_done_transfers(one)
+            finally:
+                stats.polling_request = None
+            done |= d
+            failed |= f
+            if req_id in one:
+                transfers[req_id] = one[req_id]
+            else:
+                del transfers[req_id]
+        return done, failed
+
+
+class TandemNixlConnector(NixlConnector):
+    """NixlConnector (pull mode) whose worker role is a TandemNixlWorker."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        # NixlConnector's own __init__ would build vLLM's worker (and its agent) first;
+        # this is its role dispatch with Tandem's worker in place of vLLM's.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = TandemNixlWorker(vllm_config, self.engine_id, kv_cache_config)
