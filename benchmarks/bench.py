@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,8 +216,6 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
 
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     """Every scenario in turn (at most one deployed at a time), then the NIXL microbenchmark."""
-    import sys
-
     t0 = time.perf_counter()
     base = base_config(opts)
     tokenizer = load_tokenizer(opts.tokenizer or resolve_local(base.model.source))
@@ -224,7 +223,7 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     command = " ".join(["tandem", *sys.argv[1:]]) if Path(sys.argv[0]).name == "tandem" else " ".join(sys.argv)
     if opts.target_url:
         model = opts.target_model or base.model.name
-        target = Scenario("target", "vllm-server", num_decode=1)
+        target = Scenario("target", "external")
         report = ScenarioReport(target, 0.0, _sweep(setup, opts.target_url.rstrip("/").removesuffix("/v1"), model, "target", []))
         return BenchReport(opts, command, [report], elapsed_s=time.perf_counter() - t0)
     scenarios = parse_scenarios(opts.scenarios)

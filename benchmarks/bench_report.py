@@ -60,6 +60,9 @@ def overhead_table(scenarios: Sequence[ScenarioReport]) -> str:
         for f in ("ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
             cells += [f"{_ms(getattr(o.http, f))} / {_ms(getattr(o.direct, f))}", _ms(o.added_ms(f))]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Split by phase (mean ms per request):", "", "| Scenario | Phase | HTTP | direct | added by HTTP path |", "| --- | --- | ---: | ---: | ---: |"]
+    for s in rows:
+        lines += [f"| {s.scenario.name} | {phase} | {_ms(h)} | {_ms(d)} | {_ms(a)} |" for phase, h, d, a in s.overhead.phase_rows()]
     return "\n".join(lines) + "\n"
 
 

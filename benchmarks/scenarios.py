@@ -28,7 +28,8 @@ import msgspec
 
 from orchestrator.config import PoolConfig, TandemConfig
 
-ScenarioKind = Literal["colocated", "disaggregated", "vllm-server"]
+# "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
+ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "external"]
 
 DEFAULT_SCENARIOS = "colocated:1,1p1d"
 
@@ -50,7 +51,7 @@ class Scenario(msgspec.Struct, frozen=True):
 
     @property
     def is_tandem(self) -> bool:
-        return self.kind != "vllm-server"
+        return self.kind in ("colocated", "disaggregated")
 
 
 def parse_scenario(text: str) -> Scenario:
