@@ -1,0 +1,192 @@
+"""Specification of the CPU tier's index (pure logic) and of how deploy wires the tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.kv_index import KVIndex, StoreEndpoint
+from actors.kv_store import TierSettings
+from orchestrator.config import ConfigError, parse_config
+from orchestrator.deploy import kv_transfer_for
+
+SLOT = 1024
+
+
+def endpoint(store_id: str = "s0", slots: int = 4, incarnation: str = "i0") -> StoreEndpoint:
+    return StoreEndpoint(store_id, f"node-{store_id}", incarnation, f"agent-{store_id}", b"", 0, slots * SLOT)
+
+
+def index_with(*stores: StoreEndpoint) -> KVIndex:
+    index = KVIndex()
+    for ep in stores:
+        index.register_store(ep)
+    index.set_slot_bytes(SLOT)
+    return index
+
+
+def save(index: KVIndex, store_id: str, hashes: list[bytes]) -> list[int]:
+    grant = index.allocate(store_id, hashes)
+    assert grant is not None
+    index.commit(grant, ok=True)
+    return grant.slots
+
+
+H = [bytes([i]) * 8 for i in range(16)]
+
+
+def test_capacity_is_pool_bytes_over_slot_bytes() -> None:
+    index = index_with(endpoint(slots=4))
+    assert index.capacity("s0") == 4
+
+
+def test_lookup_returns_the_longest_held_run_from_the_first_hash() -> None:
+    index = index_with(endpoint())
+    save(index, "s0", [H[0], H[1], H[3]])
+    reply = index.lookup("e/r1", [H[0], H[1], H[2], H[3]])
+    assert [loc.store_id for loc in reply.locations] == ["s0", "s0"]
+
+
+def test_uncommitted_blocks_are_not_visible_to_lookups() -> None:
+    index = index_with(endpoint())
+    grant = index.allocate("s0", [H[0]])
+    assert grant is not None and index.lookup("e/r1", [H[0]]).locations == []
+    index.commit(grant, ok=True)
+    assert len(index.lookup("e/r1", [H[0]]).locations) == 1
+
+
+def test_failed_save_frees_its_slots() -> None:
+    index = index_with(endpoint(slots=1))
+    grant = index.allocate("s0", [H[0]])
+    assert grant is not None
+    index.commit(grant, ok=False)
+    assert not index.contains(H[0])
+    assert save(index, "s0", [H[1]]) == grant.slots
+
+
+def test_held_hashes_are_not_saved_twice() -> None:
+    index = index_with(endpoint())
+    save(index, "s0", [H[0]])
+    grant = index.allocate("s0", [H[0], H[1]])
+    assert grant is not None and grant.hashes == [H[1]]
+
+
+def test_full_store_evicts_least_recently_used() -> None:
+    index = index_with(endpoint(slots=2))
+    save(index, "s0", [H[0]])
+    save(index, "s0", [H[1]])
+    index.lookup("e/r1", [H[0]])  # H[0] is now the most recently used
+    index.unpin("e/r1")
+    save(index, "s0", [H[2]])
+    assert index.contains(H[0]) and index.contains(H[2]) and not index.contains(H[1])
+    assert index.get_stats().num_evicted_blocks == 1
+
+
+def test_never_holds_more_blocks_than_capacity() -> None:
+    index = index_with(endpoint(slots=3))
+    for h in H:
+        save(index, "s0", [h])
+    assert index.get_stats().stores["s0"] == (3, 3)
+    assert all(index.contains(h) for h in H[-3:])
+
+
+def test_pinned_blocks_are_not_evicted() -> None:
+    index = index_with(endpoint(slots=2))
+    save(index, "s0", [H[0], H[1]])
+    index.lookup("e/r1", [H[0], H[1]])  # pins both while a load reads them
+    grant = index.allocate("s0", [H[2]])
+    assert grant is not None and grant.hashes == []
+    index.unpin("e/r1")
+    grant = index.allocate("s0", [H[2]])
+    assert grant is not None and grant.hashes == [H[2]]
+
+
+def test_a_new_lookup_of_the_same_key_replaces_its_pins() -> None:
+    index = index_with(endpoint(slots=2))
+    save(index, "s0", [H[0], H[1]])
+    index.lookup("e/r1", [H[0], H[1]])
+    index.lookup("e/r1", [H[0], H[1]])
+    index.unpin("e/r1")
+    assert index.get_stats().num_pinned == 0
+
+
+def test_eviction_stays_within_the_store_that_needs_room() -> None:
+    index = index_with(endpoint("a", slots=1), endpoint("b", slots=1))
+    save(index, "a", [H[0]])
+    save(index, "b", [H[1]])
+    save(index, "b", [H[2]])
+    assert index.contains(H[0]) and not index.contains(H[1]) and index.contains(H[2])
+
+
+def test_restarted_store_makes_the_index_forget_its_blocks() -> None:
+    index = index_with(endpoint("a"), endpoint("b"))
+    save(index, "a", [H[0]])
+    save(index, "b", [H[1]])
+    index.register_store(endpoint("a", incarnation="i1"))
+    assert not index.contains(H[0]) and index.contains(H[1])
+    assert index.get_stats().num_forgotten_blocks == 1
+
+
+def test_commit_of_a_dead_incarnation_is_ignored() -> None:
+    index = index_with(endpoint("a"))
+    grant = index.allocate("a", [H[0]])
+    assert grant is not None
+    index.register_store(endpoint("a", incarnation="i1"))
+    index.commit(grant, ok=True)
+    assert not index.contains(H[0])
+
+
+def test_slot_size_mismatch_is_refused() -> None:
+    index = index_with(endpoint())
+    with pytest.raises(ValueError, match="same model"):
+        index.set_slot_bytes(SLOT * 2)
+
+
+def test_unsized_store_grants_nothing() -> None:
+    index = KVIndex()
+    index.register_store(endpoint())
+    assert index.allocate("s0", [H[0]]) is None
+
+
+def test_corrupted_lookups_point_past_the_pool_from_the_given_block() -> None:
+    index = index_with(endpoint(slots=4))
+    save(index, "s0", H[:4])
+    index.corrupt_next_lookups(1, after_blocks=2)
+    slots = [loc.slot for loc in index.lookup("e/r1", H[:4]).locations]
+    assert slots[:2] == [0, 1] and min(slots[2:]) >= 4
+    assert [loc.slot for loc in index.lookup("e/r2", H[:4]).locations] == [0, 1, 2, 3]
+
+
+# ---- config and deploy wiring ----
+
+TIER = TierSettings(ray_address="127.0.0.1:6379", namespace="ns", index_actor="tandem:kv-index", store_id="n1")
+
+
+def test_tier_is_off_by_default() -> None:
+    assert parse_config(None).cpu_tier.enabled is False
+
+
+def test_disaggregated_engines_run_nixl_then_the_tier_under_the_multi_connector() -> None:
+    cfg = parse_config({"cpu_tier": {"enabled": True}})
+    kv = kv_transfer_for(cfg, "prefill", TIER)
+    assert kv is not None and kv["kv_connector"] == "TandemMultiConnector"
+    children = kv["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["NixlConnector", "TandemCpuTierConnector"]
+    assert children[0]["kv_role"] == "kv_producer"
+    assert children[1]["kv_connector_extra_config"]["store_id"] == "n1"
+
+
+def test_colocated_engines_run_the_tier_alone_under_the_multi_connector() -> None:
+    cfg = parse_config({"colocated": {}, "cpu_tier": {"enabled": True}})
+    kv = kv_transfer_for(cfg, "both", TIER)
+    assert kv is not None
+    assert [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]] == ["TandemCpuTierConnector"]
+
+
+def test_tier_size_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="cpu_tier.size_gib"):
+        parse_config({"cpu_tier": {"size_gib": 0}})
+
+
+def test_tier_pools_are_pool_roles() -> None:
+    with pytest.raises(ConfigError, match=r"cpu_tier.save_from\[0\]"):
+        parse_config({"cpu_tier": {"save_from": ["prefil"]}})
