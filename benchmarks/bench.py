@@ -244,6 +244,7 @@ def main(args: argparse.Namespace) -> int:
     from benchmarks.bench_report import write_bench_report
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bars
     opts = options_from_args(args)
     out = Path(opts.out_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     report = run_bench(opts, out)
