@@ -238,7 +238,9 @@ def test_client_disconnect_aborts_decode(pd: Running, client: openai.OpenAI) -> 
     assert client.completions.create(model=MODEL, prompt="next", max_tokens=2, temperature=0).usage.completion_tokens >= 1
 
 
-def test_metrics_page_is_prometheus_text(pd: Running) -> None:
+def test_metrics_page_is_prometheus_text(pd: Running, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="counted", max_tokens=2, temperature=0)
+    httpx.post(f"{pd.url}/completions", json={"model": MODEL}, timeout=60)
     m = metrics(pd)
     assert metric(m, "tandem_requests_total", status="200") > 0
     assert metric(m, "tandem_requests_total", status="400") > 0
