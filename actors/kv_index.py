@@ -136,6 +136,16 @@ class KVIndex:
         self.stats.num_forgotten_blocks += len(dropped)
         return len(dropped)
 
+    def clear(self) -> int:
+        """Flush the tier (every store stays registered); returns blocks dropped. Loads
+        already planned may then read overwritten slots: use it on an idle deployment."""
+        dropped = len(self._blocks)
+        self._blocks.clear()
+        self._pins.clear()
+        for store_id, store in list(self._stores.items()):
+            self._stores[store_id] = _Store(store.endpoint, store.num_slots)
+        return dropped
+
     def endpoint(self, store_id: str) -> StoreEndpoint | None:
         store = self._stores.get(store_id)
         return store.endpoint if store else None
@@ -274,6 +284,11 @@ class KVIndexActor:
     def forget_store(self, store_id: str) -> int:
         dropped = self.index.forget_store(store_id)
         logger.warning("CPU tier store %s forgotten with its %d blocks", store_id, dropped)
+        return dropped
+
+    def clear(self) -> int:
+        dropped = self.index.clear()
+        logger.warning("CPU tier flushed: %d blocks dropped", dropped)
         return dropped
 
     def endpoint(self, store_id: str) -> StoreEndpoint | None:

@@ -75,6 +75,8 @@ def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = N
         "kv_connector_module_path": "connectors.multi",
         "kv_role": KV_ROLES[role],
         "kv_buffer_device": kv.buffer_device,
+        # A failed load (a dead store, a lost block) recomputes instead of failing the request.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"connectors": children},
     }
 

@@ -190,3 +190,11 @@ def test_tier_size_must_be_positive() -> None:
 def test_tier_pools_are_pool_roles() -> None:
     with pytest.raises(ConfigError, match=r"cpu_tier.save_from\[0\]"):
         parse_config({"cpu_tier": {"save_from": ["prefil"]}})
+
+
+def test_clear_drops_every_block_but_keeps_stores() -> None:
+    index = index_with(endpoint(slots=2))
+    save(index, "s0", [H[0], H[1]])
+    assert index.clear() == 2
+    assert not index.contains(H[0])
+    assert save(index, "s0", [H[2], H[3]]) and index.capacity("s0") == 2

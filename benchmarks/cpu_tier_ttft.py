@@ -1,0 +1,123 @@
+"""TTFT of a shared-prefix workload with and without the CPU KV tier, in one run.
+
+One colocated deployment of two engines with the tier (local prefix caching off, so the
+tier is the only cache). For each prompt, engine A first answers a sibling prompt with the
+same prefix; then engine B answers the prompt twice: once with the tier holding the prefix
+("tier") and once after flushing the tier ("no tier", a full recompute). Both runs use the
+same engines, prompts and core binding, so the difference is the tier alone.
+
+    python -m benchmarks.cpu_tier_ttft [--prefix-blocks 6] [--prompts 8]
+
+Prints a table and writes results/cpu_tier_ttft.json. About 3-4 minutes on 2 cores,
+most of it engine start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+
+from actors.protocol import EngineRequest, SamplingOptions
+from orchestrator.config import parse_config
+from orchestrator.deploy import Deployment
+from orchestrator.tiny_model import prepare_tiny_model
+
+BLOCK = 128  # vLLM's block size on CPU
+
+
+class Figures(msgspec.Struct):
+    label: str
+    ttft_ms: list[float]
+    tokens_loaded: float
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ttft_ms)
+
+
+async def ttft_ms(handle: Any, request_id: str, tokens: list[int]) -> float:
+    t0 = time.perf_counter()
+    first: float | None = None
+    req = EngineRequest(request_id, tokens, SamplingOptions(max_tokens=4, temperature=0.0))
+    async for ref in handle.generate.remote(req):
+        chunk = await ref
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+    assert first is not None
+    return (first - t0) * 1000
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [20 + (seed * 131 + i * 7) % 400 for i in range(n)]
+
+
+def tier_loaded(handle: Any) -> float:
+    counters = ray.get(handle.get_stats.remote()).connector_counters
+    return counters.get("TandemCpuTierConnector", {}).get("tokens_loaded", 0)
+
+
+def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
+    prepare_tiny_model()
+    cfg = parse_config({
+        "colocated": {"replicas": 2},
+        "cpu_tier": {"enabled": True, "size_gib": 0.25},
+        "engine_args": {"enable_prefix_caching": False, "max_model_len": 2048},
+    })
+    d = Deployment(cfg)
+    d.start()
+    try:
+        a, b = (e.handle for e in d.engines)
+        with_tier = Figures("tier", [], 0)
+        without = Figures("no tier", [], 0)
+        for i in range(num_prompts):
+            prefix = tokens(1000 + i, prefix_blocks * BLOCK)
+            asyncio.run(ttft_ms(a, f"a-{i}", prefix + tokens(1, 20)))
+            before = tier_loaded(b)
+            with_tier.ttft_ms.append(asyncio.run(ttft_ms(b, f"b-tier-{i}", prefix + tokens(2, 20))))
+            with_tier.tokens_loaded += tier_loaded(b) - before
+            ray.get(d.kv_index.clear.remote())
+            before = tier_loaded(b)
+            without.ttft_ms.append(asyncio.run(ttft_ms(b, f"b-cold-{i}", prefix + tokens(2, 20))))
+            without.tokens_loaded += tier_loaded(b) - before
+    finally:
+        d.stop()
+    return {
+        "prompt_tokens": prefix_blocks * BLOCK + 20,
+        "shared_prefix_tokens": prefix_blocks * BLOCK,
+        "runs": [
+            {"label": f.label, "ttft_ms": f.ttft_ms, "ttft_median_ms": f.median_ms, "tokens_loaded": f.tokens_loaded}
+            for f in (without, with_tier)
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix-blocks", type=int, default=12, help="shared prefix length in 128-token blocks")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("results/cpu_tier_ttft.json"))
+    args = parser.parse_args()
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        result = run(args.prefix_blocks, args.prompts)
+    finally:
+        ray.shutdown()
+    print(f"shared prefix {result['shared_prefix_tokens']} of {result['prompt_tokens']} prompt tokens")
+    print(f"{'':10} {'TTFT median ms':>15} {'tokens loaded':>14}")
+    for r in result["runs"]:
+        print(f"{r['label']:10} {r['ttft_median_ms']:15.1f} {r['tokens_loaded']:14.0f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
