@@ -44,6 +44,14 @@ logger = logging.getLogger("tandem.serve")
 api = FastAPI(title="Tandem", description="Disaggregated LLM serving on Ray (OpenAI-compatible)")
 
 
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+    """Last resort: an OpenAI-shaped 500 that says what broke, instead of a bare text page."""
+    logger.exception("unhandled error serving %s", request.url.path)
+    body = ApiError(500, f"internal error: {type(err).__name__}: {err}", kind="internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
 class IngressArgs(msgspec.Struct, frozen=True):
     config: dict[str, Any]
     engines: list[EngineRef]
