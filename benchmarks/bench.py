@@ -37,7 +37,7 @@ from benchmarks.phases import (
     router_phases_from_traces,
     ttft_phases,
 )
-from benchmarks.scenarios import DEFAULT_SCENARIOS, Scenario, deployed, parse_scenarios, scenario_config
+from benchmarks.scenarios import DEFAULT_SCENARIOS, Scenario, deployed, free_ports, parse_scenarios, scenario_config
 from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
 from orchestrator.config import TandemConfig, load_config
@@ -172,6 +172,7 @@ class _Setup(msgspec.Struct, frozen=True):
     workload: RandomWorkload
     slo: SLO
     tokenizer: Any
+    port: int  # where every scenario serves (Ray Serve keeps its first port)
 
 
 def _sweep(setup: _Setup, base_url: str, model: str, label: str, names: list[str]) -> list[RunResult]:
@@ -186,7 +187,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
     """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines."""
     o = setup.opts
     names = metric_names() if scenario.is_tandem else []
-    with deployed(scenario, setup.base, log_dir) as target:
+    with deployed(scenario, setup.base, setup.port, log_dir) as target:
         logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
         runs = _sweep(setup, target.base_url, target.model, scenario.name, names)
         if not scenario.is_tandem:
@@ -219,7 +220,9 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     t0 = time.perf_counter()
     base = base_config(opts)
     tokenizer = load_tokenizer(opts.tokenizer or resolve_local(base.model.source))
-    setup = _Setup(opts, base, RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len)), SLO(opts.slo_ttft_ms, opts.slo_tpot_ms), tokenizer)
+    # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
+    port = base.serve.port if opts.address else free_ports(1)
+    setup = _Setup(opts, base, RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len)), SLO(opts.slo_ttft_ms, opts.slo_tpot_ms), tokenizer, port)
     command = " ".join(["tandem", *sys.argv[1:]]) if Path(sys.argv[0]).name == "tandem" else " ".join(sys.argv)
     if opts.target_url:
         model = opts.target_model or base.model.name

@@ -137,10 +137,14 @@ class Target(msgspec.Struct, frozen=True):
 
 
 @contextmanager
-def deployed(scenario: Scenario, base: TandemConfig, log_dir: Path) -> Iterator[Target]:
-    """Bring the scenario up (Ray already initialised for Tandem ones); always tear it down."""
+def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -> Iterator[Target]:
+    """Bring the scenario up on `port` (Ray already initialised for Tandem ones); always tear it down.
+
+    Ray Serve keeps the HTTP port it was first started with, so every Tandem scenario of one
+    bench must be given the same port.
+    """
     t0 = time.perf_counter()
-    cfg = scenario_config(base, scenario, free_ports(1), free_ports(scenario.num_engines))
+    cfg = scenario_config(base, scenario, port, free_ports(scenario.num_engines))
     if scenario.is_tandem:
         from orchestrator.job import running
 
