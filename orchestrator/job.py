@@ -24,6 +24,7 @@ import ray
 from ray import serve
 
 from orchestrator.config import TandemConfig, load_config
+from orchestrator.cluster import init_ray
 from orchestrator.deploy import Deployment
 from orchestrator.preflight import preflight
 from orchestrator.serve import build_ingress
@@ -33,17 +34,6 @@ logger = logging.getLogger("tandem.job")
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-def init_ray(cfg: TandemConfig, address: str | None) -> bool:
-    """Join `address` (or RAY_ADDRESS), else start an embedded single-machine Ray; True if embedded."""
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return False
-    need = sum(p.num_cpus * p.replicas for p in cfg.pools.values())
-    # Embedded Ray serves one machine: bind it to loopback; logical CPUs cover every engine.
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1")
-    return True
 
 
 class Running(msgspec.Struct, frozen=True):

@@ -264,14 +264,21 @@ def build_ingress(cfg: TandemConfig, engines: list[EngineRef], max_model_len: in
 def build_app(args: dict[str, str]) -> serve.Application:
     """`serve run orchestrator.serve:build_app config=PATH`: start the pools, return the app.
 
-    The engines belong to the `serve run` process and stop with it.
+    `serve run` calls this before it connects to Ray, so Ray is started (or joined, with
+    `address=...` or RAY_ADDRESS) here. The engines belong to the `serve run` process and
+    stop with it; HTTP host and port are `serve run`'s, not the config's.
     """
+    import ray
+
+    from orchestrator.cluster import init_ray
     from orchestrator.config import load_config
     from orchestrator.deploy import Deployment
     from orchestrator.preflight import preflight
 
     cfg = load_config(args.get("config"))
     preflight(cfg)
+    if not ray.is_initialized():
+        init_ray(cfg, args.get("address"))
     deployment = Deployment(cfg)
     engines = deployment.start()
     return build_ingress(cfg, engines, min(i.max_model_len for i in deployment.infos))
