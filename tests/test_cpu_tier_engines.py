@@ -153,7 +153,7 @@ def test_two_nodes_get_a_store_each_and_save_locally(tiny_model: Any) -> None:
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1"})
     cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-    ray.init(address=cluster.address, log_to_driver=False)
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
     cluster.wait_for_nodes()
     # One engine per node: each pool replica needs 2 CPUs, which a node has once.
     cfg = parse_config({
