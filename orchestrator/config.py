@@ -85,8 +85,9 @@ class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
 
 class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # A connector name known to connectors.registry (vLLM's or Tandem's), or a class
-    # name in `module_path`.
-    connector: str = "NixlConnector"
+    # name in `module_path`. TandemNixlConnector is vLLM's NixlConnector with the NIXL
+    # agent built from `nixl` below (vLLM's "NixlConnector" ignores those settings).
+    connector: str = "TandemNixlConnector"
     # Import path of an out-of-tree connector module; wins over a registered name.
     module_path: str | None = None
     # Passed to the connector as kv_connector_extra_config.
