@@ -151,8 +151,15 @@ def test_two_nodes_get_a_store_each_and_save_locally(tiny_model: Any) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1"})
-    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    # Ray turns a loopback address given to ray.init (the driver's, and the engine
+    # processes' that join as drivers to reach the tier) into this machine's
+    # interface IP, while Cluster starts nodes with the literal IP it is given. Nodes
+    # started on a literal 127.0.0.1 get a GCS bound to loopback only that no driver
+    # can join (ray.init hangs in _init_gcs_client), so start them on the IP that
+    # ray.init itself resolves loopback to: the same host, as ray_local's nodes get.
+    ip = ray._private.services.resolve_ip_for_localhost("127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": ip})
+    cluster.add_node(num_cpus=2, node_ip_address=ip)
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
     cluster.wait_for_nodes()
     # One engine per node: each pool replica needs 2 CPUs, which a node has once.
