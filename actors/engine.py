@@ -93,7 +93,9 @@ def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s
     NixlConnector alone sends its data dict; a MultiConnector sends {child name: stats}
     whose values are stats objects or {"data": ...} dicts; Tandem's connectors send
     {"counters": {name: {counter: value}}}; TandemMultiConnector sends per-child counters
-    {"children": {name: {counter: value}}} (connectors.multi.StatsPayload).
+    {"children": {name: {counter: value}}, "transfers": {name: nixl data}}
+    (connectors.multi.StatsPayload), whose transfers feed EngineStats.transfers as if
+    NixlConnector ran alone.
     """
     if "transfer_duration" in payload:
         _observe_transfers(stats, payload, slow_s)
@@ -103,6 +105,9 @@ def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s
             mine = stats.connector_counters.setdefault(name, {})
             for key, value in counters.items():
                 mine[key] = mine.get(key, 0) + value
+        # TandemMultiConnector forwards its NIXL-shaped children's raw transfer records.
+        for data in (payload.get("transfers") or {}).values():
+            _observe_transfers(stats, data, slow_s)
         return
     for child in payload.values():
         data = getattr(child, "data", child)

@@ -113,6 +113,22 @@ class StatsPayload(msgspec.Struct):
     """
 
     children: dict[str, ChildCounters] = {}
+    # Raw transfer records of children whose stats have NixlKVConnectorStats' shape (lists
+    # per key: transfer_duration, bytes_transferred, num_failed_transfers, ...), by child
+    # name, so the engine still folds NIXL transfers into EngineStats.transfers (count,
+    # bytes, seconds, max, histogram) when NixlConnector runs as a child.
+    transfers: dict[str, dict[str, list[Any]]] = {}
+
+
+def _extend_transfers(into: dict[str, dict[str, list[Any]]], name: str, data: Mapping[str, Any]) -> None:
+    mine = into.setdefault(name, {})
+    for key, values in data.items():
+        if isinstance(values, list):
+            mine.setdefault(key, []).extend(values)
+
+
+def _has_transfers(data: Mapping[str, Any]) -> bool:
+    return any(isinstance(v, list) and v for v in data.values())
 
 
 def parse_stats(data: Mapping[str, Any]) -> StatsPayload:
@@ -135,8 +151,11 @@ class TandemMultiStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Sum counters child by child (workers of one engine, then scheduler + workers)."""
         totals = parse_stats(self.data)
-        for name, counters in parse_stats(other.data).children.items():
+        theirs = parse_stats(other.data)
+        for name, counters in theirs.children.items():
             totals.children.setdefault(name, ChildCounters()).add(counters)
+        for name, data in theirs.transfers.items():
+            _extend_transfers(totals.transfers, name, data)
         self.data = msgspec.to_builtins(totals)
         return self
 
@@ -151,7 +170,10 @@ class TandemMultiStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return all(c.is_zero() for c in parse_stats(self.data).children.values())
+        payload = parse_stats(self.data)
+        return all(c.is_zero() for c in payload.children.values()) and not any(
+            _has_transfers(d) for d in payload.transfers.values()
+        )
 
 
 def child_names(children: list[Mapping[str, Any]]) -> list[str]:
@@ -215,6 +237,8 @@ class TandemMultiConnector(MultiConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._names = child_names(child_configs(_as_mapping(ktc)))
         self._counters = {name: ChildCounters() for name in self._names}
+        # child name -> its NIXL-shaped transfer records since the last stats report.
+        self._transfers: dict[str, dict[str, list[Any]]] = {}
         # req id -> children whose load failed for it; skipped on every later lookup.
         self._failed_children: dict[str, set[int]] = {}
         # req id -> the child whose failure awaits a re-query (counted as fallback/recompute).
@@ -386,11 +410,18 @@ class TandemMultiConnector(MultiConnector):
             child_stats = c.get_kv_connector_stats()
             if child_stats is not None and not child_stats.is_empty():
                 self._counters[name].add(_child_transfer_counts(child_stats))
+                data = child_stats.to_dict()
+                if isinstance(data.get("transfer_duration"), list):
+                    _extend_transfers(self._transfers, name, data)
         changed = {name: c for name, c in self._counters.items() if not c.is_zero()}
-        if not changed:
+        transfers = {name: d for name, d in self._transfers.items() if _has_transfers(d)}
+        if not changed and not transfers:
             return None
-        stats = TandemMultiStats(data=msgspec.to_builtins(StatsPayload(children=changed)))
+        stats = TandemMultiStats(
+            data=msgspec.to_builtins(StatsPayload(children=changed, transfers=transfers))
+        )
         self._counters = {name: ChildCounters() for name in self._names}
+        self._transfers = {}
         return stats
 
     @classmethod

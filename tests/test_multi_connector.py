@@ -389,6 +389,39 @@ def test_bytes_and_tokens_reported_by_children_are_counted_per_child() -> None:
     }
 
 
+def test_nixl_child_transfers_reach_engine_stats_like_nixl_alone() -> None:
+    from actors.engine import _observe_connector_stats
+    from actors.protocol import EngineStats
+
+    def nixl_stats(*durations: float) -> NixlKVConnectorStats:
+        nixl = NixlKVConnectorStats()
+        for d in durations:
+            nixl.record_transfer(
+                SimpleNamespace(xferDuration=d * 1e6, postDuration=1, totalBytes=1000, descCount=1)
+            )
+        return nixl
+
+    # Two workers' reports, aggregated and serialised the way vLLM does it.
+    connector = make([child("Alpha"), child("Beta")], role=WORKER)
+    nixl, _ = kids(connector)
+    nixl.stats = nixl_stats(0.004, 2.5)
+    first = connector.get_kv_connector_stats()
+    nixl.stats = nixl_stats(0.02)
+    second = connector.get_kv_connector_stats()
+    assert first is not None and second is not None and not first.is_empty()
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(first.aggregate(second).to_dict()))
+    assert connector.get_kv_connector_stats() is None
+
+    alone, under_multi = EngineStats(engine_id="a", role="decode"), EngineStats(engine_id="b", role="decode")
+    _observe_connector_stats(alone, nixl_stats(0.004, 2.5, 0.02).to_dict(), slow_s=1.0)
+    _observe_connector_stats(under_multi, TandemMultiConnector.build_kv_connector_stats(wire).to_dict(), slow_s=1.0)
+    assert under_multi.transfers == alone.transfers
+    t = under_multi.transfers
+    assert (t.num_transfers, t.bytes, t.num_slow, t.max_seconds) == (3, 3000, 1, 2.5)
+    assert sum(t.bucket_counts) == 3
+    assert under_multi.connector_counters["Alpha"]["bytes_loaded"] == 3000
+
+
 def test_stats_are_reset_after_each_report() -> None:
     connector = make([child("Alpha", matched=16)])
     connector.get_num_new_matched_tokens(request(), 0)
@@ -417,7 +450,8 @@ def test_stats_survive_serialisation_and_aggregate_like_vllm_does() -> None:
         "children": {
             "Alpha": msgspec.structs.asdict(ChildCounters(hits=2, tokens_loaded=32)),
             "Beta": msgspec.structs.asdict(ChildCounters(bytes_saved=64)),
-        }
+        },
+        "transfers": {},
     }
     # Stat logger: rebuilt through the connector class vLLM resolves from the config.
     logging = KVConnectorLogging(make_config([child("Alpha")]).kv_transfer_config)
