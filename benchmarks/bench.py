@@ -155,7 +155,8 @@ def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | Non
         ray.init(address=address, log_to_driver=False)
     else:
         need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        # address="local": a new instance even when another user left a cluster running on this host.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         yield
     finally:
