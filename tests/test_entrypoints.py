@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -40,11 +40,15 @@ def write_config(tmp_path: Path) -> Path:
     return path
 
 
-def wait_for(pattern: re.Pattern[str], read: callable, timeout: float, what: str) -> re.Match[str]:
+def wait_for(pattern: re.Pattern[str], read: Callable[[], str], timeout: float, what: str, fail: str | None = None) -> re.Match[str]:
+    """Poll `read()` until `pattern` shows up; give up at once if `fail` shows up instead."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if m := pattern.search(read()):
+        text = read()
+        if m := pattern.search(text):
             return m
+        if fail and fail in text:
+            raise AssertionError(f"{what} failed:\n{text[-4000:]}")
         time.sleep(2)
     raise AssertionError(f"{what} did not happen within {timeout:.0f} s; output so far:\n{read()[-4000:]}")
 
@@ -90,37 +94,58 @@ def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def ray_head(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """A `ray start --head` cluster on loopback; yields (job-submission address, GCS address)."""
+def ray_head() -> Iterator[tuple[str, str, dict[str, str]]]:
+    """A `ray start --head --block` cluster on loopback, every port chosen free (other Ray
+    instances on the machine hold the defaults); yields (job address, GCS address, env).
+
+    Token auth is off for this loopback-only test cluster, explicitly, so the test does not
+    depend on whether ~/.ray/auth_token exists.
+    """
     dash, gcs = free_port(), free_port()
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    cmd = [
-        str(BIN / "ray"), "start", "--head", "--num-cpus", "4", "--node-ip-address", "127.0.0.1",
-        "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-        "--include-dashboard", "true", "--disable-usage-stats",
-    ]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
+    # The venv's bin first on PATH, as for a user who activated it: jobs run `python`.
+    path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "PATH": path, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled"}
+    ports = {
+        "--port": gcs, "--dashboard-port": dash, "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(), "--metrics-export-port": free_port(),
+        "--runtime-env-agent-port": free_port(), "--node-manager-port": free_port(),
+        "--object-manager-port": free_port(),
+    }
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "4", "--node-ip-address", "127.0.0.1",
+           "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats"]
+    cmd += [str(a) for kv in ports.items() for a in kv]
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job_env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{dash}"}
     try:
-        yield f"http://127.0.0.1:{dash}", f"127.0.0.1:{gcs}"
+        yield job_env["RAY_ADDRESS"], f"127.0.0.1:{gcs}", job_env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
+        try:
+            head.wait(timeout=120)
+        finally:
+            try:
+                os.killpg(head.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
-def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str], tmp_path: Path) -> None:
-    dashboard, gcs = ray_head
+def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str, dict[str, str]], tmp_path: Path) -> None:
+    _, gcs, env = ray_head
     config = write_config(tmp_path)
-    env = {**os.environ, "RAY_ADDRESS": dashboard}
-    submit = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--no-wait", "--working-dir", str(ROOT), "--",
-         "python", "-m", "orchestrator.job", "--config", str(config)],
-        env=env, capture_output=True, text=True, timeout=300, check=True,
-    )
-    job_id = re.search(r"Job '([^']+)' submitted", submit.stdout).group(1)
+    submit_cmd = [str(BIN / "ray"), "job", "submit", "--no-wait", "--working-dir", str(ROOT), "--",
+                  "python", "-m", "orchestrator.job", "--config", str(config)]
+
+    def try_submit() -> str:
+        # The head's job agent takes a few seconds to come up after `ray start`.
+        res = subprocess.run(submit_cmd, env=env, capture_output=True, text=True, timeout=300)
+        return res.stdout + res.stderr
+
+    job_id = wait_for(re.compile(r"Job '([^']+)' submitted"), try_submit, 180, "job submission").group(1)
 
     def logs() -> str:
         return subprocess.run([str(BIN / "ray"), "job", "logs", job_id], env=env, capture_output=True, text=True, timeout=60).stdout
 
-    url = wait_for(READY, logs, 480, "the job's ready line").group(1)
+    url = wait_for(READY, logs, 480, "the job's ready line", fail="Traceback").group(1)
     ask(url)
     raylet = next(p for p in psutil.process_iter(["name", "cmdline"]) if p.info["name"] == "raylet" and gcs in " ".join(p.info["cmdline"] or []))
     assert engine_processes(raylet)
