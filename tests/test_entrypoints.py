@@ -79,7 +79,7 @@ def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
     with log.open("w") as out:
         proc = subprocess.Popen([str(BIN / "tandem"), "serve", str(write_config(tmp_path))], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        url = wait_for(READY, log.read_text, 420, "the ready line").group(1)
+        url = wait_for(READY, log.read_text, 720, "the ready line").group(1)
         ask(url)
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert engine_processes(psutil.Process(proc.pid)), "expected engine processes under tandem serve"
@@ -145,7 +145,7 @@ def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str, dict[
     def logs() -> str:
         return subprocess.run([str(BIN / "ray"), "job", "logs", job_id], env=env, capture_output=True, text=True, timeout=60).stdout
 
-    url = wait_for(READY, logs, 480, "the job's ready line", fail="Traceback").group(1)
+    url = wait_for(READY, logs, 720, "the job's ready line", fail="Traceback").group(1)
     ask(url)
     raylet = next(p for p in psutil.process_iter(["name", "cmdline"]) if p.info["name"] == "raylet" and gcs in " ".join(p.info["cmdline"] or []))
     assert engine_processes(raylet)
