@@ -69,7 +69,7 @@ def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
     cfg = parse_config({
         "colocated": {"replicas": 2},
         "cpu_tier": {"enabled": True, "size_gib": 0.25},
-        "engine_args": {"enable_prefix_caching": False, "max_model_len": 2048},
+        "engine_args": {"enable_prefix_caching": False, "max_model_len": 1024},  # the tiny model's limit
     })
     d = Deployment(cfg)
     d.start()
@@ -101,7 +101,7 @@ def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefix-blocks", type=int, default=12, help="shared prefix length in 128-token blocks")
+    parser.add_argument("--prefix-blocks", type=int, default=6, help="shared prefix length in 128-token blocks (at most 7: max_model_len 1024)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("results/cpu_tier_ttft.json"))
     args = parser.parse_args()
