@@ -105,7 +105,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("results/cpu_tier_ttft.json"))
     args = parser.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": always a fresh instance; with no address, ray.init joins any Ray
+    # already running on this machine (another user's `ray start`, another test run).
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         result = run(args.prefix_blocks, args.prompts)
     finally:

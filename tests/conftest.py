@@ -36,7 +36,9 @@ def ray_local() -> Iterator[None]:
     """An embedded single-node Ray bound to loopback, for one test module."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": always a fresh instance; with no address, ray.init joins any Ray
+    # already running on this machine (another user's `ray start`, another test run).
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         yield
     finally:
