@@ -15,6 +15,12 @@ def init_ray(cfg: TandemConfig, address: str | None) -> bool:
         ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
         return False
     need = sum(p.num_cpus * p.replicas for p in cfg.pools.values())
-    # Embedded Ray serves one machine: bind it to loopback; logical CPUs cover every engine.
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1")
+    # Embedded Ray serves one machine: always a new instance ("local", never a `ray start`
+    # cluster that happens to run here), bound to loopback; logical CPUs cover every engine.
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, int(need) + 1),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+    )
     return True
