@@ -133,7 +133,9 @@ PoolRole = Literal["prefill", "decode", "both"]
 class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # The cluster-wide CPU KV tier: an index actor plus one store actor per node that
     # hosts engines; engines save prompt KV blocks there and load shared prefixes back.
-    enabled: bool = False
+    # On by default: engines run TandemMultiConnector with [P/D connector, CPU tier]
+    # (colocated: the tier alone). `enabled: false` gives the NIXL-only path.
+    enabled: bool = True
     # Host memory of each node's store pool, GiB (allocated up front).
     size_gib: Annotated[float, Meta(gt=0)] = 0.5
     # Which block to drop when a store is full.

@@ -81,7 +81,11 @@ def test_kv_roles_follow_the_pool() -> None:
     cfg = TandemConfig()
     assert kv_transfer_for(cfg, "prefill")["kv_role"] == "kv_producer"
     assert kv_transfer_for(cfg, "decode")["kv_role"] == "kv_consumer"
-    assert kv_transfer_for(parse_config({"colocated": {}}), "both") is None
+    # The CPU tier is on by default: colocated engines run it alone under the multi connector.
+    colocated = kv_transfer_for(parse_config({"colocated": {}}), "both")
+    assert colocated is not None and colocated["kv_role"] == "kv_both"
+    assert [c["kv_connector"] for c in colocated["kv_connector_extra_config"]["connectors"]] == ["TandemCpuTierConnector"]
+    assert kv_transfer_for(parse_config({"colocated": {}, "cpu_tier": {"enabled": False}}), "both") is None
 
 
 def test_preflight_missing_model_folder(tmp_path: Path) -> None:

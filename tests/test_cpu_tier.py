@@ -161,8 +161,19 @@ def test_corrupted_lookups_point_past_the_pool_from_the_given_block() -> None:
 TIER = TierSettings(ray_address="127.0.0.1:6379", namespace="ns", index_actor="tandem:kv-index", store_id="n1")
 
 
-def test_tier_is_off_by_default() -> None:
-    assert parse_config(None).cpu_tier.enabled is False
+def test_tier_is_on_by_default() -> None:
+    cfg = parse_config(None)
+    assert cfg.cpu_tier.enabled is True
+    kv = kv_transfer_for(cfg, "decode", TIER)
+    assert kv is not None and kv["kv_connector"] == "TandemMultiConnector"
+    children = kv["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == [cfg.kv_transfer.connector, "TandemCpuTierConnector"]
+
+
+def test_tier_can_be_turned_off() -> None:
+    cfg = parse_config({"cpu_tier": {"enabled": False}})
+    assert kv_transfer_for(cfg, "prefill", TIER)["kv_connector"] == cfg.kv_transfer.connector  # type: ignore[index]
+    assert kv_transfer_for(parse_config({"colocated": {}, "cpu_tier": {"enabled": False}}), "both") is None
 
 
 def test_disaggregated_engines_run_nixl_then_the_tier_under_the_multi_connector() -> None:
@@ -170,7 +181,7 @@ def test_disaggregated_engines_run_nixl_then_the_tier_under_the_multi_connector(
     kv = kv_transfer_for(cfg, "prefill", TIER)
     assert kv is not None and kv["kv_connector"] == "TandemMultiConnector"
     children = kv["kv_connector_extra_config"]["connectors"]
-    assert [c["kv_connector"] for c in children] == ["NixlConnector", "TandemCpuTierConnector"]
+    assert [c["kv_connector"] for c in children] == [cfg.kv_transfer.connector, "TandemCpuTierConnector"]
     assert children[0]["kv_role"] == "kv_producer"
     assert children[1]["kv_connector_extra_config"]["store_id"] == "n1"
 

@@ -8,6 +8,7 @@ transfer count and log. Then one real check: an idle 1P1D deployment burns (almo
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +30,14 @@ from orchestrator.metrics import TandemMetrics
 from orchestrator.placement import EngineSlot, engine_cores, omp_binding, split_cores
 
 PD = {"prefill": {}, "decode": {}}
+
+
+def pd_connector(kv: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The P/D connector's config: the engine's own, or child 0 of TandemMultiConnector
+    (the default since the CPU tier is on: [P/D connector, CPU tier])."""
+    if kv is not None and kv["kv_connector"] == "TandemMultiConnector":
+        return kv["kv_connector_extra_config"]["connectors"][0]
+    return kv
 
 
 # --- agent settings ---------------------------------------------------------------------
@@ -70,7 +79,7 @@ def test_unknown_or_invalid_nixl_fields_are_config_errors() -> None:
 
 def test_tandem_nixl_connector_is_loaded_by_module_path_with_its_settings() -> None:
     cfg = parse_config({**PD, "kv_transfer": {"connector": "TandemNixlConnector", "nixl": {"num_threads": 1}}})
-    kv = kv_transfer_for(cfg, "decode")
+    kv = pd_connector(kv_transfer_for(cfg, "decode"))
     assert kv is not None
     assert kv["kv_connector_module_path"] == "connectors.nixl"
     assert kv["kv_role"] == "kv_consumer"
@@ -82,13 +91,13 @@ def test_settings_given_in_extra_config_win_over_kv_transfer_nixl() -> None:
         **PD,
         "kv_transfer": {"connector": "TandemNixlConnector", "extra_config": {EXTRA_CONFIG_KEY: {"num_threads": 2}}},
     })
-    kv = kv_transfer_for(cfg, "prefill")
+    kv = pd_connector(kv_transfer_for(cfg, "prefill"))
     assert kv is not None and kv["kv_connector_extra_config"][EXTRA_CONFIG_KEY] == {"num_threads": 2}
 
 
 def test_vllms_nixl_connector_gets_no_tandem_settings() -> None:
     cfg = parse_config({**PD, "kv_transfer": {"connector": "NixlConnector"}})
-    kv = kv_transfer_for(cfg, "prefill")
+    kv = pd_connector(kv_transfer_for(cfg, "prefill"))
     assert kv is not None
     assert EXTRA_CONFIG_KEY not in kv["kv_connector_extra_config"]
     assert "kv_connector_module_path" not in kv
@@ -225,8 +234,6 @@ def test_idle_1p1d_deployment_uses_under_a_tenth_of_a_core(ray_local: None, tiny
         decode = next(e for e in deployment.engines if e.role == "decode")
         moved = ray.get(decode.handle.get_stats.remote()).transfers
         assert moved.num_transfers >= 1 and moved.bytes > 0, "the pre-warm request must move KV over NIXL"
-        import time
-
         time.sleep(5)  # vLLM's engine loop keeps polling for 1 s after its last step
         idle = measure([i.pid for i in deployment.infos], seconds=15)
     finally:
