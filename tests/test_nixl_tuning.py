@@ -234,8 +234,9 @@ def test_idle_1p1d_deployment_uses_under_a_tenth_of_a_core(ray_local: None, tiny
         decode = next(e for e in deployment.engines if e.role == "decode")
         moved = ray.get(decode.handle.get_stats.remote()).transfers
         assert moved.num_transfers >= 1 and moved.bytes > 0, "the pre-warm request must move KV over NIXL"
-        time.sleep(5)  # vLLM's engine loop keeps polling for 1 s after its last step
+        time.sleep(10)  # let start-up work finish, as benchmarks.idle_cpu does
         idle = measure([i.pid for i in deployment.infos], seconds=15)
     finally:
         deployment.stop()
-    assert idle.engine_cores < IDLE_BOUND_CORES, idle
+    busiest = [(p.name, round(p.cores, 3)) for p in idle.engines[:4]]
+    assert idle.engine_cores < IDLE_BOUND_CORES, f"{idle.engine_cores:.3f} cores idle; busiest: {busiest}"
