@@ -16,7 +16,8 @@ def init_ray(cfg: TandemConfig, address: str | None) -> bool:
         return False
     need = sum(p.num_cpus * p.replicas for p in cfg.pools.values())
     # Embedded Ray serves one machine: always a new instance ("local", never a `ray start`
-    # cluster that happens to run here), bound to loopback; logical CPUs cover every engine.
+    # cluster that happens to run here), asked for the local address (Ray 2.60 resolves it
+    # to the machine's own interface); logical CPUs cover every engine.
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, int(need) + 1),
