@@ -467,15 +467,12 @@ def test_stats_survive_serialisation_and_aggregate_like_vllm_does() -> None:
 
 # ---- with vLLM's real scheduler: the re-query that turns into a fallback ----
 
-TINY_MODEL = Path.home() / ".cache" / "tandem" / "tiny-llama-v1"
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    if not (TINY_MODEL / "config.json").exists():
-        pytest.skip(f"tiny model not prepared at {TINY_MODEL}")
-    return ModelConfig(model=str(TINY_MODEL), dtype="float32", skip_tokenizer_init=True)
+def model_config(tiny_model: Path) -> ModelConfig:
+    return ModelConfig(model=str(tiny_model), dtype="float32", skip_tokenizer_init=True)
 
 
 def make_scheduler(model_config: ModelConfig, children: list[dict[str, Any]]) -> Scheduler:
