@@ -191,7 +191,7 @@ class Deployment:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(node_id[:12], int(tier.size_gib * 2**30), index_actor_name(app), namespace)
         try:
-            ray.get([s.info.remote() for s in self.kv_stores.values()], timeout=120)
+            ray.get([s.info.remote() for s in self.kv_stores.values()], timeout=600)
         except Exception as err:
             raise DeployError(
                 f"CPU tier stores did not start ({err}); check that each node has "
