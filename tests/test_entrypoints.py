@@ -144,7 +144,7 @@ def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str, dict[
         res = subprocess.run(submit_cmd, env=env, capture_output=True, text=True, timeout=300)
         return res.stdout + res.stderr
 
-    job_id = wait_for(re.compile(r"Job '([^']+)' submitted"), try_submit, 180, "job submission").group(1)
+    job_id = wait_for(re.compile(r"Job '([^']+)' submitted"), try_submit, 300, "job submission").group(1)
 
     def logs() -> str:
         return subprocess.run([str(BIN / "ray"), "job", "logs", job_id], env=env, capture_output=True, text=True, timeout=60).stdout
