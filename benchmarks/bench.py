@@ -24,10 +24,11 @@ from typing import Any
 import msgspec
 
 from benchmarks.direct import run_direct
-from benchmarks.loadgen import RunResult, run_sweep
+from benchmarks.loadgen import RunResult, run_sweep, scrape_metrics
 from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
 from benchmarks.phases import (
     KV_BYTES,
+    KV_MAX,
     KV_SECONDS,
     KV_TRANSFERS,
     Overhead,
@@ -84,6 +85,9 @@ class ScenarioReport(msgspec.Struct, frozen=True):
     direct: RunResult | None = None  # the direct-to-engines run at the first rate
     phases_ms: dict[str, dict[str, float]] = {}  # "<name> HTTP" / "<name> direct" -> phase -> ms
     overhead: Overhead | None = None
+    # The slowest KV transfer any engine saw from start-up (warm-up included) to the end of the
+    # scenario; None where nothing was transferred or the server is not Tandem.
+    kv_max_s: float | None = None
 
     def kv_total(self, name: str) -> float:
         """A KV counter's growth over every run of the scenario."""
@@ -203,6 +207,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
                 rate=o.rates[0], seed=o.seed, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
                 duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload,
             ))
+        slowest = asyncio.run(scrape_metrics(target.base_url, [KV_MAX], combine=max)).get(KV_MAX)
     disaggregated = scenario.kind == "disaggregated"
     first = runs[0].summary
     http_phases = ttft_phases(router_phases_from_metrics(first.server_metrics), first.server_metrics, disaggregated, (first.ttft_ms.mean or 0.0) / 1000)
@@ -213,7 +218,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
         phases[f"{scenario.name} direct"] = direct_phases
         overhead = Overhead(o.rates[0], PathFigures.of(runs[0], http_phases), PathFigures.of(direct, direct_phases))
     phases_ms = {k: {p: 1000 * s for p, s in v.items()} for k, v in phases.items()}
-    return ScenarioReport(scenario, target.startup_s, runs, direct, phases_ms, overhead), geometry
+    return ScenarioReport(scenario, target.startup_s, runs, direct, phases_ms, overhead, slowest or None), geometry
 
 
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:

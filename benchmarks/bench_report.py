@@ -14,7 +14,7 @@ import msgspec
 
 from benchmarks.bench import BenchReport, ScenarioReport
 from benchmarks.nixl_micro import markdown as micro_markdown
-from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_TRANSFERS, PER_REQUEST_METRICS
+from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_SLOW, KV_TRANSFERS, PER_REQUEST_METRICS
 from benchmarks.loadgen import RunResult
 from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, save_json
 
@@ -70,14 +70,21 @@ def transfer_table(report: BenchReport) -> str:
     """Raw NIXL READs of the model's block shapes, then what each disaggregated scenario achieved."""
     out = micro_markdown(report.micro) if report.micro else ""
     raw = next((m for m in report.micro if m.label.endswith("prompt")), None)
-    lines = ["| Scenario | KV transfers | Bytes / transfer | ms / transfer | GiB/s | of raw NIXL (same size) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| Scenario | KV transfers | Bytes / transfer | ms / transfer | GiB/s | of raw NIXL (same size) | slowest (ms, from start-up) | slower than kv_transfer.slow_transfer_s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for s in report.scenarios:
         n = s.kv_total(KV_TRANSFERS)
         if not n:
             continue
         rate = s.kv_gib_s
         share = f"{100 * rate / raw.gib_per_s:.1f}%" if rate and raw and raw.gib_per_s else "—"
-        lines.append(f"| {s.scenario.name} | {n:.0f} | {s.kv_total(KV_BYTES) / n:,.0f} | {1000 * s.kv_total(KV_SECONDS) / n:.2f} | {_ms(rate) if rate is None else f'{rate:.3f}'} | {share} |")
+        slowest = _ms(None if s.kv_max_s is None else 1000 * s.kv_max_s)
+        lines.append(
+            f"| {s.scenario.name} | {n:.0f} | {s.kv_total(KV_BYTES) / n:,.0f} | {1000 * s.kv_total(KV_SECONDS) / n:.2f} | "
+            f"{_ms(rate) if rate is None else f'{rate:.3f}'} | {share} | {slowest} | {s.kv_total(KV_SLOW):.0f} |"
+        )
     if len(lines) > 2:
         out += "\nTandem serving (decode engines' NIXL timing, from /metrics):\n\n" + "\n".join(lines) + "\n"
     return out

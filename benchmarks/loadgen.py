@@ -15,7 +15,7 @@ import platform
 import re
 import socket
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any, Literal
@@ -146,30 +146,34 @@ def arrival_times(num: int, rate: float | None, arrival: Arrival, seed: int) -> 
 
 
 async def scrape_metrics(
-    base_url: str, names: Collection[str], client: httpx.AsyncClient | None = None
+    base_url: str,
+    names: Collection[str],
+    client: httpx.AsyncClient | None = None,
+    combine: Callable[[Iterable[float]], float] = sum,
 ) -> dict[str, float]:
     """Current values of the named Prometheus samples at `base_url`/metrics.
 
     Names are sample names as exposed (a counter's `..._total`, a histogram's `..._sum` or
     `..._count`), optionally with a label selector, `name{phase="prefill",pool="both"}`;
-    values are summed over the label sets that match. Names not exposed are left out.
+    the values of the label sets that match are combined (summed, unless `combine=max` for a
+    gauge such as the slowest transfer). Names not exposed are left out.
     """
     if client is None:
         async with httpx.AsyncClient() as own:
-            return await scrape_metrics(base_url, names, own)
+            return await scrape_metrics(base_url, names, own, combine)
     response = await client.get(f"{base_url.rstrip('/')}/metrics")
     response.raise_for_status()
     selectors: dict[str, list[tuple[str, dict[str, str]]]] = {}
     for name in names:
         sample_name, _, labels = name.partition("{")
         selectors.setdefault(sample_name, []).append((name, dict(_LABEL.findall(labels))))
-    values: dict[str, float] = {}
+    matches: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             for name, wanted in selectors.get(sample.name, ()):
                 if wanted.items() <= sample.labels.items():
-                    values[name] = values.get(name, 0.0) + sample.value
-    return values
+                    matches.setdefault(name, []).append(sample.value)
+    return {name: float(combine(values)) for name, values in matches.items()}
 
 
 def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -28,6 +28,8 @@ KV_BYTES = "tandem_kv_transfer_bytes_total"
 KV_TRANSFERS = "tandem_kv_transfers_total"
 KV_SECONDS = "tandem_kv_transfer_seconds_sum"
 KV_FAILURES = "tandem_kv_transfer_failures_total"
+KV_SLOW = "tandem_kv_transfer_slow_total"  # slower than kv_transfer.slow_transfer_s
+KV_MAX = "tandem_kv_transfer_max_seconds"  # a gauge: the slowest transfer since the engine started
 FALLBACKS = "tandem_fallbacks_total"
 EXTERNAL_TOKENS = 'tandem_prompt_tokens_total{source="external_kv_transfer"}'
 TTFT_SUM = "tandem_time_to_first_token_seconds_sum"
@@ -50,7 +52,7 @@ def engine_queue(pool: str) -> tuple[str, str]:
 
 def metric_names() -> list[str]:
     """Every /metrics sample a Tandem run scrapes before and after."""
-    names = [*HEADLINE_METRICS, TTFT_SUM, TTFT_COUNT]
+    names = [*HEADLINE_METRICS, KV_SLOW, TTFT_SUM, TTFT_COUNT]
     names += [router_phase(p, s) for p in ROUTER_PHASES for s in ("sum", "count")]
     names += [n for pool in ("prefill", "both") for n in engine_queue(pool)]
     return names

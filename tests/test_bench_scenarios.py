@@ -8,13 +8,14 @@ import socket
 import msgspec
 import pytest
 
-from benchmarks.bench import BenchOptions, ScenarioReport, add_arguments, options_from_args
-from benchmarks.bench_report import phase_table, vllm_comparison
+from benchmarks.bench import BenchOptions, BenchReport, ScenarioReport, add_arguments, options_from_args
+from benchmarks.bench_report import phase_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
 from benchmarks.phases import (
     KV_BYTES,
     KV_SECONDS,
+    KV_SLOW,
     KV_TRANSFERS,
     TTFT_COUNT,
     Overhead,
@@ -177,10 +178,20 @@ def test_overhead_is_http_minus_direct_field_by_field() -> None:
 # ---- report pieces -------------------------------------------------------------------
 
 
-def _run(label: str, rate: float, ttft: float, tpot: float) -> RunResult:
+def _run(label: str, rate: float, ttft: float, tpot: float, server_metrics: dict[str, float] | None = None) -> RunResult:
     results = [RequestResult(index=i, start=0.0, latency=ttft + 9 * tpot, token_times=[ttft + k * tpot for k in range(10)], output_tokens=10) for i in range(3)]
     config = RunConfig("http://x", "m", label, rate, None, "poisson", 0, 0, None, None, True, 60.0)
-    return RunResult(config, environment(), summarize(results, 1.0), results)
+    return RunResult(config, environment(), summarize(results, 1.0, server_metrics=server_metrics), results)
+
+
+def test_the_transfer_table_sums_counters_over_runs_and_shows_the_slowest_transfer() -> None:
+    runs = [_run("1p1d", r, 0.05, 0.002, {KV_TRANSFERS: n, KV_BYTES: n * 2**20, KV_SECONDS: n * 0.004, KV_SLOW: slow}) for r, n, slow in ((1.0, 3, 0), (2.0, 5, 1))]
+    disagg = ScenarioReport(parse_scenario("1p1d"), 60.0, runs, kv_max_s=1.2345)
+    colocated = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.03, 0.002)])
+    table = transfer_table(BenchReport(BenchOptions(), "tandem bench", [colocated, disagg]))
+    # 8 transfers of 1 MiB in 32 ms in all: 4 ms each, 0.244 GiB/s; one was slow, the slowest took 1.2 s.
+    assert "| 1p1d | 8 | 1,048,576 | 4.00 | 0.244 | — | 1,234.5 | 1 |" in table
+    assert "colocated:1" not in table
 
 
 def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead() -> None:

@@ -80,6 +80,10 @@ class FakeServer:
             "# TYPE tandem_fake_requests counter\n"
             f'tandem_fake_requests_total{{engine="a"}} {self.finished}\n'
             f'tandem_fake_requests_total{{engine="b"}} {self.finished}\n'
+            "# HELP tandem_fake_slowest Slowest request, seconds.\n"
+            "# TYPE tandem_fake_slowest gauge\n"
+            'tandem_fake_slowest{engine="a"} 0.25\n'
+            'tandem_fake_slowest{engine="b"} 1.5\n'
         )
         return PlainTextResponse(text)
 
@@ -279,3 +283,9 @@ def test_a_label_selector_keeps_only_matching_label_sets(server) -> None:
     names = ['tandem_fake_requests_total{engine="a"}', "tandem_fake_requests_total", 'tandem_fake_requests_total{engine="z"}']
     values = asyncio.run(scrape_metrics(url, names))
     assert values == {names[0]: fake.finished, names[1]: 2 * fake.finished}
+
+
+def test_a_gauge_can_be_combined_by_max_instead_of_sum(server) -> None:
+    _, url = server
+    assert asyncio.run(scrape_metrics(url, ["tandem_fake_slowest"], combine=max)) == {"tandem_fake_slowest": 1.5}
+    assert asyncio.run(scrape_metrics(url, ["tandem_fake_slowest"])) == {"tandem_fake_slowest": 1.75}
