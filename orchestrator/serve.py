@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -82,6 +83,10 @@ class OpenAIIngress:
         self.model_name = self.cfg.model.name
         self.max_model_len = args.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_local(self.cfg.model.source))
+        # Tokenizing a long prompt or rendering a chat template takes milliseconds that would
+        # stall every other request's stream on the event loop; one thread, like vLLM's server,
+        # because a Hugging Face tokenizer is not safe to call from two threads at once.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
         self.router = Router(args.engines, self.cfg.routing.policy)
         self.metrics = TandemMetrics(self.cfg.serve.app_name)
 
@@ -127,10 +132,7 @@ class OpenAIIngress:
             reject_unsupported(req)
             if req.model != self.model_name:
                 raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`", param="model", kind="not_found_error")
-            if isinstance(req, ChatCompletionRequest):
-                prompt_ids = self._chat_prompt(req)
-            else:
-                prompt_ids = self._completion_prompt(req)
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self._prompt_ids, req)
             sampling = req.sampling(self._max_tokens(req, len(prompt_ids)))
         except ApiError as err:
             self.metrics.observe_request(endpoint, err.status)
@@ -142,6 +144,10 @@ class OpenAIIngress:
             self.metrics.observe_request(endpoint, 200)
             return StreamingResponse(self._stream(endpoint, rid, req, chunks, trace, len(prompt_ids)), media_type="text/event-stream")
         return await self._complete(endpoint, rid, req, chunks, trace, prompt_ids)
+
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The request's prompt as token ids (runs on the tokenizer thread)."""
+        return self._chat_prompt(req) if isinstance(req, ChatCompletionRequest) else self._completion_prompt(req)
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt: Any = req.prompt
