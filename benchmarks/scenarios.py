@@ -141,10 +141,11 @@ def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -
     """Bring the scenario up on `port` (Ray already initialised for Tandem ones); always tear it down.
 
     Ray Serve keeps the HTTP port it was first started with, so every Tandem scenario of one
-    bench must be given the same port.
+    bench must be given the same port; a plain vLLM server takes another free one, since Serve's
+    proxy still holds `port` after the Tandem scenarios before it were torn down.
     """
     t0 = time.perf_counter()
-    cfg = scenario_config(base, scenario, port, free_ports(scenario.num_engines))
+    cfg = scenario_config(base, scenario, port if scenario.is_tandem else free_ports(1), free_ports(scenario.num_engines))
     if scenario.is_tandem:
         from orchestrator.job import running
 

@@ -216,15 +216,18 @@ def test_the_phase_table_has_one_column_per_scenario_and_path_and_a_total() -> N
 
 
 @pytest.mark.engines
-def test_a_short_colocated_bench_writes_every_file_and_consistent_figures(ray_local, tiny_model, tmp_path) -> None:
+def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_consistent_figures(ray_local, tiny_model, tmp_path) -> None:
     from benchmarks.bench import run_bench
     from benchmarks.bench_report import write_bench_report
 
-    opts = BenchOptions(scenarios="colocated:1", rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8, duration_s=30.0, request_timeout_s=60.0)
+    # The vLLM server comes after a Tandem scenario, whose Serve proxy still holds its port.
+    opts = BenchOptions(scenarios="colocated:1,vllm-server", rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8, duration_s=30.0, request_timeout_s=60.0)
     report = run_bench(opts, tmp_path)
-    write_bench_report(report, tmp_path)
-    (scenario,) = report.scenarios
+    summary = write_bench_report(report, tmp_path).read_text()
+    scenario, plain = report.scenarios
     (run,) = scenario.runs
+    assert plain.scenario.name == "vllm-server" and plain.runs[0].summary.num_completed == 4
+    assert "## Tandem colocated vs a plain vLLM server" in summary and "| 4 | TPOT |" in summary
     assert run.summary.num_failed == 0 and scenario.direct is not None and scenario.direct.summary.num_failed == 0
     http = scenario.phases_ms["colocated:1 HTTP"]
     assert sum(http.values()) == pytest.approx(run.summary.ttft_ms.mean, rel=1e-6)
