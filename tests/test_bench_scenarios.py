@@ -199,9 +199,19 @@ def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead()
     tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.0021)], overhead=overhead)
     plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.0020)])
     table = vllm_comparison([tandem, plain])
-    assert "| 1 | TPOT | 2.0 | 2.1 | +0.1 | within 20% |" in table
-    assert "+200%; Tandem's measured HTTP-path overhead is 18.0 ms" in table
+    # TPOT p50: vLLM 2.0, Tandem 2.1 over HTTP, 2.0 direct; TTFT p50: vLLM 10, Tandem 30 over HTTP, 12 direct.
+    assert "| 1 | TPOT | 2.0 | 2.1 | +0.1 | 2.0 | +0.1 | +0.0 | within 20% |" in table
+    assert "| 1 | TTFT | 10.0 | 30.0 | +20.0 | 12.0 | +18.0 | +2.0 | +200%; without Tandem's HTTP path within 20% (+20%) |" in table
     assert vllm_comparison([tandem]) == ""
+
+
+def test_vllm_comparison_names_the_engine_side_when_the_direct_path_differs_too() -> None:
+    overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(20.0, 20.0, 2.0, 32.0, {}))
+    tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.002), _run("colocated:1", 2.0, 0.030, 0.002)], overhead=overhead)
+    plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.002), _run("vllm-server", 2.0, 0.010, 0.002)])
+    table = vllm_comparison([tandem, plain])
+    assert "| 1 | TTFT | 10.0 | 30.0 | +20.0 | 20.0 | +10.0 | +10.0 | +200%: HTTP path +10.0 ms, engine side +100% |" in table
+    assert "| 2 | TTFT | 10.0 | 30.0 | +20.0 | — | — | — | +200% (no direct run at this rate) |" in table
 
 
 def test_the_phase_table_has_one_column_per_scenario_and_path_and_a_total() -> None:
