@@ -38,7 +38,7 @@ from benchmarks.phases import (
     router_phases_from_traces,
     ttft_phases,
 )
-from benchmarks.scenarios import DEFAULT_SCENARIOS, Scenario, deployed, free_ports, parse_scenarios, scenario_config
+from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, deployed, free_ports, parse_scenarios, scenario_config
 from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
 from orchestrator.config import TandemConfig, load_config
@@ -54,7 +54,7 @@ DIRECT_SEED_OFFSET = 1000
 class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What `tandem bench` was asked to do; stored in bench.json."""
 
-    scenarios: str = DEFAULT_SCENARIOS
+    scenarios: str | None = None  # None: DEFAULT_SCENARIOS, or DEFAULT_CLUSTER_SCENARIOS with `address`
     rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
     num_requests: int = 20  # measured requests per rate
     warmup: int = 2  # requests sent before each measured run
@@ -111,7 +111,7 @@ class BenchReport(msgspec.Struct, frozen=True):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `tandem bench` options (defaults from BenchOptions)."""
     d = BenchOptions()
-    p.add_argument("--scenarios", default=d.scenarios, help="comma-separated: colocated[:N], <P>p<D>d, vllm-server (default %(default)s)")
+    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="measured requests per rate (default %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
@@ -136,6 +136,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     fields = {f: getattr(args, f) for f in BenchOptions.__struct_fields__ if f != "rates" and hasattr(args, f)}
     return BenchOptions(rates=tuple(float(r) for r in args.rates.split(",") if r.strip()), **fields)
+
+
+def scenario_names(opts: BenchOptions) -> str:
+    """The scenarios asked for, or the default for where the bench runs (one machine or a cluster)."""
+    return opts.scenarios or (DEFAULT_CLUSTER_SCENARIOS if opts.address else DEFAULT_SCENARIOS)
 
 
 def base_config(opts: BenchOptions) -> TandemConfig:
@@ -224,6 +229,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     """Every scenario in turn (at most one deployed at a time), then the NIXL microbenchmark."""
     t0 = time.perf_counter()
+    opts = msgspec.structs.replace(opts, scenarios=scenario_names(opts))  # so that bench.json names what ran
     base = base_config(opts)
     tokenizer = load_tokenizer(opts.tokenizer or resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.

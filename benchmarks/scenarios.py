@@ -31,7 +31,11 @@ from orchestrator.config import PoolConfig, TandemConfig
 # "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
 ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "external"]
 
-DEFAULT_SCENARIOS = "colocated:1,1p1d"
+# On one machine the default also runs a plain vLLM server, the reference Tandem's colocated
+# engine is compared with; on a cluster (--address) that server would start on the bench's
+# own host, which may have no accelerator, so it is left to --scenarios.
+DEFAULT_SCENARIOS = "colocated:1,1p1d,vllm-server"
+DEFAULT_CLUSTER_SCENARIOS = "colocated:1,1p1d"
 
 _COLOCATED = re.compile(r"^colocated(?::(?P<n>\d+))?$")
 _XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d$")

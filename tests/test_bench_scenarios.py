@@ -8,7 +8,7 @@ import socket
 import msgspec
 import pytest
 
-from benchmarks.bench import BenchOptions, BenchReport, ScenarioReport, add_arguments, options_from_args
+from benchmarks.bench import BenchOptions, BenchReport, ScenarioReport, add_arguments, options_from_args, scenario_names
 from benchmarks.bench_report import phase_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
@@ -116,6 +116,12 @@ def test_cli_options_become_bench_options() -> None:
     add_arguments(parser)
     opts = options_from_args(parser.parse_args(["--rates", "0.5,2", "--scenarios", "1p1d", "--no-nixl-micro", "--duration", "30"]))
     assert opts == BenchOptions(rates=(0.5, 2.0), scenarios="1p1d", nixl_micro=False, duration_s=30.0)
+
+
+def test_the_default_scenarios_add_a_plain_vllm_server_on_one_machine_only() -> None:
+    assert scenario_names(BenchOptions()) == "colocated:1,1p1d,vllm-server"
+    assert scenario_names(BenchOptions(address="10.0.0.1:6379")) == "colocated:1,1p1d"
+    assert scenario_names(BenchOptions(scenarios="2p2d", address="10.0.0.1:6379")) == "2p2d"
 
 
 def test_kv_geometry_counts_block_bytes_from_the_model_shape() -> None:

@@ -209,3 +209,41 @@ def test_clear_drops_every_block_but_keeps_stores() -> None:
     assert index.clear() == 2
     assert not index.contains(H[0])
     assert save(index, "s0", [H[2], H[3]]) and index.capacity("s0") == 2
+
+
+# ---- engine processes joining Ray ---------------------------------------------------
+
+
+def test_an_engine_process_joins_ray_without_the_error_listener_and_still_reaches_the_index(ray_local) -> None:
+    """Ray's error-listener thread busy-polled the GCS from vLLM's worker processes (0.2-0.5
+    core idle); an engine process stops it, and its calls to the tier's actors still work."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def ping(self) -> str:
+            return "pong"
+
+    echo = Echo.options(name="tandem-test-index", namespace="tandem-test").remote()
+    assert ray.get(echo.ping.remote()) == "pong"
+    code = textwrap.dedent(f"""
+        import threading
+        import ray
+        from actors.kv_store import TierSettings
+        from connectors.offload import _join_ray
+
+        index = _join_ray(TierSettings(ray_address={ray.get_runtime_context().gcs_address!r}, namespace="tandem-test",
+                                       index_actor="tandem-test-index", store_id=None, load=False))
+        listener = ray._private.worker.global_worker.listener_thread
+        assert not listener.is_alive(), "the error listener still runs"
+        assert "ray_listen_error_messages" not in [t.name for t in threading.enumerate()]
+        assert ray.get(index.ping.remote(), timeout=60) == "pong"
+        ray.shutdown()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
