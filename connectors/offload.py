@@ -108,8 +108,8 @@ def _stop_error_listener() -> None:
     errors to (its driver is Tandem's), so the thread goes; if a Ray upgrade moves these
     internals, the engine keeps working and only the log says so.
     """
-    worker = ray._private.worker.global_worker
     try:
+        worker = ray._private.worker.global_worker
         listener, subscriber, stopped = worker.listener_thread, worker.gcs_error_subscriber, worker.threads_stopped
     except AttributeError as err:
         logger.warning("could not stop Ray's error listener in this engine process (%s); it may poll the GCS", err)
@@ -118,6 +118,8 @@ def _stop_error_listener() -> None:
     subscriber.close()
     listener.join(timeout=10)
     stopped.clear()  # ray.shutdown() sets it again for Ray's other threads
+    if listener.is_alive():
+        logger.warning("Ray's error listener in this engine process did not stop within 10 s; it may poll the GCS")
 
 
 class _Pending:
