@@ -43,6 +43,7 @@ from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
+from orchestrator.router import RequestTrace
 
 logger = logging.getLogger("tandem.bench")
 
@@ -82,16 +83,19 @@ class ScenarioReport(msgspec.Struct, frozen=True):
     scenario: Scenario
     startup_s: float
     runs: list[RunResult]  # the HTTP sweep, one per rate
-    direct: RunResult | None = None  # the direct-to-engines run at the first rate
-    phases_ms: dict[str, dict[str, float]] = {}  # "<name> HTTP" / "<name> direct" -> phase -> ms
-    overhead: Overhead | None = None
+    direct: list[RunResult] = []  # the same sweep sent straight to the engine actors (Tandem only)
+    phases_ms: dict[str, dict[str, float]] = {}  # first rate: "<name> HTTP" / "<name> direct" -> phase -> ms
+    overhead: list[Overhead] = []  # HTTP vs direct, one per rate
     # The slowest KV transfer any engine saw from start-up (warm-up included) to the end of the
     # scenario; None where nothing was transferred or the server is not Tandem.
     kv_max_s: float | None = None
 
     def kv_total(self, name: str) -> float:
         """A KV counter's growth over every run of the scenario."""
-        return sum(r.summary.server_metrics.get(name, 0.0) for r in [*self.runs, *([self.direct] if self.direct else [])])
+        return sum(r.summary.server_metrics.get(name, 0.0) for r in [*self.runs, *self.direct])
+
+    def overhead_at(self, rate: float | None) -> Overhead | None:
+        return next((o for o in self.overhead if o.rate == rate), None)
 
     @property
     def kv_gib_s(self) -> float | None:
@@ -204,26 +208,33 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
             return ScenarioReport(scenario, target.startup_s, runs), None
         infos = target.deployment.infos
         geometry = KVGeometry.from_model(resolve_local(setup.base.model.source), infos[0].block_size)
-        direct, traces = None, []
+        direct: list[tuple[RunResult, list[RequestTrace]]] = []
         if o.overhead:
-            requests = setup.workload.sample(o.num_requests, o.seed + DIRECT_SEED_OFFSET, setup.tokenizer)
-            direct, traces = asyncio.run(run_direct(
-                target.deployment.engines, setup.base.routing.policy, target.model, requests, setup.tokenizer,
-                rate=o.rates[0], seed=o.seed, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
-                duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload,
-            ))
+            for k, rate in enumerate(o.rates):
+                # Seeds apart from the HTTP sweep's (seed + k) and from each other: no prefix-cache hits.
+                requests = setup.workload.sample(o.num_requests, o.seed + DIRECT_SEED_OFFSET + k, setup.tokenizer)
+                direct.append(asyncio.run(run_direct(
+                    target.deployment.engines, setup.base.routing.policy, target.model, requests, setup.tokenizer,
+                    rate=rate, seed=o.seed + k, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
+                    duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload,
+                )))
         slowest = asyncio.run(scrape_metrics(target.base_url, [KV_MAX], combine=max)).get(KV_MAX)
     disaggregated = scenario.kind == "disaggregated"
-    first = runs[0].summary
-    http_phases = ttft_phases(router_phases_from_metrics(first.server_metrics), first.server_metrics, disaggregated, (first.ttft_ms.mean or 0.0) / 1000)
-    phases = {f"{scenario.name} HTTP": http_phases}
-    overhead = None
-    if direct is not None:
-        direct_phases = ttft_phases(router_phases_from_traces(traces), direct.summary.server_metrics, disaggregated)
-        phases[f"{scenario.name} direct"] = direct_phases
-        overhead = Overhead(o.rates[0], PathFigures.of(runs[0], http_phases), PathFigures.of(direct, direct_phases))
-    phases_ms = {k: {p: 1000 * s for p, s in v.items()} for k, v in phases.items()}
-    return ScenarioReport(scenario, target.startup_s, runs, direct, phases_ms, overhead, slowest or None), geometry
+    phases: dict[str, dict[str, float]] = {}
+    overhead = []
+    for k, run in enumerate(runs):
+        s = run.summary
+        http_phases = ttft_phases(router_phases_from_metrics(s.server_metrics), s.server_metrics, disaggregated, (s.ttft_ms.mean or 0.0) / 1000)
+        if k == 0:
+            phases[f"{scenario.name} HTTP"] = http_phases
+        if k < len(direct):
+            d, traces = direct[k]
+            direct_phases = ttft_phases(router_phases_from_traces(traces), d.summary.server_metrics, disaggregated)
+            if k == 0:
+                phases[f"{scenario.name} direct"] = direct_phases
+            overhead.append(Overhead(run.config.rate, PathFigures.of(run, http_phases), PathFigures.of(d, direct_phases)))
+    phases_ms = {name: {p: 1000 * sec for p, sec in v.items()} for name, v in phases.items()}
+    return ScenarioReport(scenario, target.startup_s, runs, [d for d, _ in direct], phases_ms, overhead, slowest or None), geometry
 
 
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:

@@ -46,23 +46,23 @@ def phase_table(scenarios: Sequence[ScenarioReport]) -> str:
 
 
 def overhead_table(scenarios: Sequence[ScenarioReport]) -> str:
-    """HTTP path vs direct path per scenario: TTFT, TPOT, end-to-end, and the difference."""
-    rows = [s for s in scenarios if s.overhead is not None]
+    """HTTP path vs direct path per scenario and rate: TTFT, TPOT, end-to-end, and the difference."""
+    rows = [(s, o) for s in scenarios for o in s.overhead]
     if not rows:
         return ""
     lines = [
         "| Scenario | Rate (req/s) | TTFT mean HTTP / direct (ms) | added | TTFT p50 HTTP / direct | added | TPOT p50 HTTP / direct | added | E2E p50 HTTP / direct | added |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for s in rows:
-        o = s.overhead
+    for s, o in rows:
         cells = [s.scenario.name, f"{o.rate:g}"]
         for f in ("ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
             cells += [f"{_ms(getattr(o.http, f))} / {_ms(getattr(o.direct, f))}", _ms(o.added_ms(f))]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Split by phase (mean ms per request):", "", "| Scenario | Phase | HTTP | direct | added by HTTP path |", "| --- | --- | ---: | ---: | ---: |"]
-    for s in rows:
-        lines += [f"| {s.scenario.name} | {phase} | {_ms(h)} | {_ms(d)} | {_ms(a)} |" for phase, h, d, a in s.overhead.phase_rows()]
+    lines += ["", "Split by phase (mean ms per request):", "", "| Scenario | Rate (req/s) | Phase | HTTP | direct | added by HTTP path |",
+              "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for s, o in rows:
+        lines += [f"| {s.scenario.name} | {o.rate:g} | {phase} | {_ms(h)} | {_ms(d)} | {_ms(a)} |" for phase, h, d, a in o.phase_rows()]
     return "\n".join(lines) + "\n"
 
 
@@ -93,7 +93,7 @@ def transfer_table(report: BenchReport) -> str:
 def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     """Tandem colocated:1 against a plain vLLM server, rate by rate (empty unless both ran).
 
-    Where the direct-to-engine run was made (the first rate), the difference is split into
+    Where the direct-to-engine run was made (every rate, unless --no-overhead), the difference is split into
     what Tandem's HTTP path adds (HTTP minus direct) and what is left on the engine side
     (direct minus vLLM), so a gap beyond 20% comes with its measured cause.
     """
@@ -101,7 +101,6 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
     if tandem is None or plain is None:
         return ""
-    o = tandem.overhead
     lines = [
         "| Rate (req/s) | Metric (p50, ms) | vLLM server | Tandem colocated:1 | Tandem − vLLM | Tandem direct to the engine actor | of which HTTP path | of which engine side | Verdict |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -112,7 +111,8 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
             if a is None or b is None:
                 continue
             diff = b - a
-            direct = getattr(o.direct, direct_field) if o is not None and o.rate == t.config.rate else None
+            o = tandem.overhead_at(t.config.rate)
+            direct = getattr(o.direct, direct_field) if o is not None else None
             http_part = None if direct is None else b - direct
             engine_part = None if direct is None else direct - a
             if abs(diff) <= AGREEMENT * a:
@@ -163,8 +163,8 @@ def write_bench_report(report: BenchReport, out: Path) -> Path:
     for s in report.scenarios:
         for k, run in enumerate(s.runs):
             save_json(run, out / f"{_slug(s.scenario.name)}-{k:02d}-rate-{run.config.rate:g}.json")
-        if s.direct is not None:
-            save_json(s.direct, out / f"{_slug(s.scenario.name)}-direct-rate-{s.direct.config.rate:g}.json")
+        for k, run in enumerate(s.direct):
+            save_json(run, out / f"{_slug(s.scenario.name)}-direct-{k:02d}-rate-{run.config.rate:g}.json")
     (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
     plot_latency_vs_load(sweeps, out / "latency.png")
     plot_goodput(sweeps, out / "goodput.png")

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from benchmarks.bench import BenchOptions, BenchReport, ScenarioReport, add_arguments, options_from_args, scenario_names
-from benchmarks.bench_report import phase_table, transfer_table, vllm_comparison
+from benchmarks.bench_report import overhead_table, phase_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
 from benchmarks.phases import (
@@ -202,7 +202,7 @@ def test_the_transfer_table_sums_counters_over_runs_and_shows_the_slowest_transf
 
 def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead() -> None:
     overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(12.0, 12.0, 2.0, 32.0, {}))
-    tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.0021)], overhead=overhead)
+    tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.0021)], overhead=[overhead])
     plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.0020)])
     table = vllm_comparison([tandem, plain])
     # TPOT p50: vLLM 2.0, Tandem 2.1 over HTTP, 2.0 direct; TTFT p50: vLLM 10, Tandem 30 over HTTP, 12 direct.
@@ -213,11 +213,24 @@ def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead()
 
 def test_vllm_comparison_names_the_engine_side_when_the_direct_path_differs_too() -> None:
     overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(20.0, 20.0, 2.0, 32.0, {}))
-    tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.002), _run("colocated:1", 2.0, 0.030, 0.002)], overhead=overhead)
+    tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.002), _run("colocated:1", 2.0, 0.030, 0.002)], overhead=[overhead])
     plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.002), _run("vllm-server", 2.0, 0.010, 0.002)])
     table = vllm_comparison([tandem, plain])
     assert "| 1 | TTFT | 10.0 | 30.0 | +20.0 | 20.0 | +10.0 | +10.0 | +200%: HTTP path +10.0 ms, engine side +100% |" in table
     assert "| 2 | TTFT | 10.0 | 30.0 | +20.0 | — | — | — | +200% (no direct run at this rate) |" in table
+
+
+def test_the_overhead_table_has_a_row_per_rate_and_splits_each_by_phase() -> None:
+    def at(rate: float, http_ttft: float) -> Overhead:
+        http = PathFigures(http_ttft, http_ttft, 2.0, 50.0, {"HTTP + ingress": http_ttft - 10.0, "prefill": 10.0})
+        return Overhead(rate, http, PathFigures(10.0, 10.0, 1.5, 40.0, {"prefill": 10.0}))
+
+    report = ScenarioReport(parse_scenario("colocated:1"), 1.0, [], overhead=[at(1.0, 30.0), at(2.0, 45.0)])
+    table = overhead_table([report])
+    assert "| colocated:1 | 1 | 30.0 / 10.0 | 20.0 | 30.0 / 10.0 | 20.0 | 2.0 / 1.5 | 0.5 | 50.0 / 40.0 | 10.0 |" in table
+    assert "| colocated:1 | 2 | 45.0 / 10.0 | 35.0 |" in table
+    assert "| colocated:1 | 2 | HTTP + ingress | 35.0 | 0.0 | 35.0 |" in table
+    assert report.overhead_at(2.0) is report.overhead[1] and report.overhead_at(4.0) is None
 
 
 def test_the_phase_table_has_one_column_per_scenario_and_path_and_a_total() -> None:
@@ -244,10 +257,12 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     (run,) = scenario.runs
     assert plain.scenario.name == "vllm-server" and plain.runs[0].summary.num_completed == 4
     assert "## Tandem colocated vs a plain vLLM server" in summary and "| 4 | TPOT |" in summary
-    assert run.summary.num_failed == 0 and scenario.direct is not None and scenario.direct.summary.num_failed == 0
+    (direct,) = scenario.direct
+    assert run.summary.num_failed == 0 and direct.summary.num_failed == 0 and direct.config.rate == run.config.rate
     http = scenario.phases_ms["colocated:1 HTTP"]
     assert sum(http.values()) == pytest.approx(run.summary.ttft_ms.mean, rel=1e-6)
     assert http["engine queue"] >= 0 and http["prefill"] > 0
-    assert scenario.overhead is not None and report.micro and report.geometry is not None
+    assert [o.rate for o in scenario.overhead] == [4.0] and report.micro and report.geometry is not None
+    assert "| 4 | TTFT |" in summary and "(no direct run at this rate)" not in summary
     for name in ("summary.md", "results.md", "bench.json", "latency.png", "goodput.png", "phases.png"):
         assert (tmp_path / name).is_file(), name
