@@ -32,6 +32,10 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
+def _signed_ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:+.1f}"
+
+
 def phase_table(scenarios: Sequence[ScenarioReport]) -> str:
     """Phases as rows, one column per scenario and path, plus their sum."""
     columns = {name: phases for s in scenarios for name, phases in s.phases_ms.items()}
@@ -93,8 +97,8 @@ def transfer_table(report: BenchReport) -> str:
 def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     """Tandem colocated:1 against a plain vLLM server, rate by rate (empty unless both ran).
 
-    Where the direct-to-engine run was made (every rate, unless --no-overhead), the difference is split into
-    what Tandem's HTTP path adds (HTTP minus direct) and what is left on the engine side
+    Where the direct-to-engine runs were made (every rate, unless --no-overhead), the difference
+    is split into what Tandem's HTTP path adds (HTTP minus direct) and what is left on the engine side
     (direct minus vLLM), so a gap beyond 20% comes with its measured cause.
     """
     by_name = {s.scenario.name: s for s in scenarios}
@@ -106,12 +110,12 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for t, v in zip(tandem.runs, plain.runs):
+        o = tandem.overhead_at(t.config.rate)
         for label, field, direct_field in (("TTFT", "ttft_ms", "ttft_p50_ms"), ("TPOT", "tpot_ms", "tpot_p50_ms")):
             a, b = getattr(v.summary, field).p50, getattr(t.summary, field).p50
             if a is None or b is None:
                 continue
             diff = b - a
-            o = tandem.overhead_at(t.config.rate)
             direct = getattr(o.direct, direct_field) if o is not None else None
             http_part = None if direct is None else b - direct
             engine_part = None if direct is None else direct - a
@@ -125,7 +129,7 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
                 verdict = f"{100 * diff / a:+.0f}% (no direct run at this rate)"
             lines.append(
                 f"| {t.config.rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
-                f"{'—' if http_part is None else f'{http_part:+.1f}'} | {'—' if engine_part is None else f'{engine_part:+.1f}'} | {verdict} |"
+                f"{_signed_ms(http_part)} | {_signed_ms(engine_part)} | {verdict} |"
             )
     return "\n".join(lines) + "\n"
 
