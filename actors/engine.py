@@ -185,7 +185,9 @@ class EngineActor:
                 {"prompt_token_ids": req.prompt_token_ids}, params, req.request_id
             ):
                 comp = out.outputs[0]
-                finished = out.finished
+                # vLLM ends an aborted request with a last output that is finished with reason
+                # "abort"; count it as aborted, as a cancelled stream is.
+                finished = out.finished and comp.finish_reason != "abort"
                 yield EngineChunk(
                     text=comp.text,
                     token_ids=list(comp.token_ids),

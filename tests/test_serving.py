@@ -238,6 +238,27 @@ def test_client_disconnect_aborts_decode(pd: Running, client: openai.OpenAI) -> 
     assert client.completions.create(model=MODEL, prompt="next", max_tokens=2, temperature=0).usage.completion_tokens >= 1
 
 
+def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef) -> None:
+    """An abort reaching vLLM before the stream is cancelled still counts as aborted."""
+    import ray
+
+    before = ray.get(reference.handle.get_stats.remote()).num_requests_aborted
+    req = EngineRequest("abort-me", [1, 2, 3], SamplingOptions(max_tokens=900, temperature=0.0, ignore_eos=True))
+
+    async def run() -> list:
+        chunks = []
+        async for ref in reference.handle.generate.remote(req):
+            chunks.append(await ref)
+            if len(chunks) == 1:
+                await reference.handle.abort.remote(req.request_id)
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < 900
+    assert ray.get(reference.handle.get_stats.remote()).num_requests_aborted == before + 1
+
+
 def test_metrics_page_is_prometheus_text(pd: Running, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="counted", max_tokens=2, temperature=0)
     httpx.post(f"{pd.url}/completions", json={"model": MODEL}, timeout=60)
