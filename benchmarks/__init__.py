@@ -8,7 +8,7 @@ The pieces, one concern per module:
   `ConversationWorkload(turns, system_len, user_len, reply_len)` (shared system prompt plus a
   growing history), `DatasetWorkload(path=<bundled prompts>, output_len=None)`. Lengths are
   `Fixed(value)`, `Uniform(low, high)` or `Normal(mean, std, low=1, high=None)`. A tokenizer
-  from `load_tokenizer(local_folder)` makes random prompts exactly `input_len` tokens long.
+  from `load_tokenizer(folder_or_hub_id)` makes random prompts exactly `input_len` tokens long.
   `WorkloadSpec` / `LengthDist` decode from config: `{"type": "random", "input_len":
   {"type": "fixed", "value": 512}, ...}`.
 - `loadgen`: how to send it. `await run_load(base_url, model, requests, *, rate=None,

@@ -71,7 +71,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     address: str | None = None  # Ray cluster to join; None: embedded Ray on 127.0.0.1
     target_url: str | None = None  # benchmark this OpenAI server instead of deploying
     target_model: str | None = None
-    tokenizer: str | None = None  # folder; default: the config's model
+    tokenizer: str | None = None  # folder or hub id; default: the config's model
     out_dir: str | None = None  # default results/bench-<timestamp>
     overhead: bool = True  # also send the load straight to the engines
     nixl_micro: bool = True
@@ -131,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
     p.add_argument("--target-url", help="benchmark this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of deploying")
     p.add_argument("--target-model", help="model name to send with --target-url (default: the config's served name)")
-    p.add_argument("--tokenizer", help="tokenizer folder for exact prompt lengths (default: the config's model)")
+    p.add_argument("--tokenizer", help="tokenizer folder or hub id for exact prompt lengths (default: the config's model)")
     p.add_argument("--out", dest="out_dir", help="output folder (default results/bench-<timestamp>)")
     p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the direct-to-engine runs")
     p.add_argument("--no-nixl-micro", dest="nixl_micro", action="store_false", help="skip the NIXL microbenchmark")

@@ -27,6 +27,7 @@ import httpx
 import msgspec
 
 from orchestrator.config import PoolConfig, TandemConfig
+from orchestrator.models import hub_env, resolve_local
 
 # "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
 ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "external"]
@@ -181,7 +182,7 @@ def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
 
 def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
     """The same process settings a Tandem colocated engine gets: KV cache size, every core."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ) | hub_env(cfg.model.source)
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
         if cfg.cpu.bind_cores == "auto":
@@ -192,8 +193,6 @@ def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
 @contextmanager
 def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[str]:
     """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL."""
-    from orchestrator.models import resolve_local
-
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{cfg.serve.port}"
     with open(log_path, "wb") as log:

@@ -95,10 +95,10 @@ class Workload(Protocol):
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """A Hugging Face tokenizer from a local folder (never the hub)."""
+    """A Hugging Face tokenizer from a local folder, or a hub id (fetched once, as vLLM fetches the model)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _clean_token_ids(tokenizer: PreTrainedTokenizerBase) -> np.ndarray:

@@ -23,6 +23,7 @@ from actors.kv_index import KVIndexActor
 from actors.kv_store import KVStoreActor, TierSettings, index_actor_name, store_actor_name
 from actors.protocol import EngineInfo, Role, SamplingOptions
 from orchestrator.config import TandemConfig
+from orchestrator.models import hub_env
 from orchestrator.placement import EngineSlot, assign_slots
 from orchestrator.router import EngineRef, RequestTrace, Router
 
@@ -91,8 +92,7 @@ def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
         if slot.cpu_binding is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_binding
-    if cfg.model.source.startswith("builtin:"):
-        env["HF_HUB_OFFLINE"] = "1"
+    env.update(hub_env(cfg.model.source))
     if cfg.disaggregated:
         env.update(cfg.kv_transfer.nixl.ucx_env)
     return env

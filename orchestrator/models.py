@@ -12,6 +12,13 @@ def looks_like_path(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().is_dir()
 
 
+def hub_env(source: str) -> dict[str, str]:
+    """Environment for processes opening `source`: a builtin model is already on disk, so
+    Hugging Face libraries must not try the hub (hosts without internet would wait on it);
+    any other source may need a download, so nothing is forced."""
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"} if source.startswith("builtin:") else {}
+
+
 def resolve_local(source: str) -> str:
     """The local folder (or hub id) for `source` on this machine, preparing builtin:tiny once."""
     if source == BUILTIN_TINY:

@@ -24,6 +24,7 @@ from connectors.nixl import (
     settings_from_extra_config,
 )
 from orchestrator.config import ConfigError, NixlConfig, parse_config
+from benchmarks.scenarios import vllm_server_env
 from orchestrator.deploy import engine_env, kv_transfer_for
 from orchestrator.metrics import TandemMetrics
 from orchestrator.placement import EngineSlot, engine_cores, omp_binding, split_cores
@@ -114,6 +115,17 @@ def test_ucx_env_reaches_disaggregated_engines_only() -> None:
     assert engine_env(pd, _slot())["UCX_TLS"] == "sm,self"
     assert "UCX_TLS" not in engine_env(colocated, _slot())
     assert engine_env(pd, _slot())["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_only_a_builtin_model_keeps_engines_off_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generated tiny model is on disk; a hub id must stay downloadable (no forced offline)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    builtin = parse_config(PD)
+    hub = parse_config({**PD, "model": {"source": "Qwen/Qwen2.5-0.5B-Instruct"}})
+    assert engine_env(builtin, _slot())["HF_HUB_OFFLINE"] == "1"
+    assert vllm_server_env(builtin)["HF_HUB_OFFLINE"] == "1"
+    assert "HF_HUB_OFFLINE" not in engine_env(hub, _slot())
+    assert "HF_HUB_OFFLINE" not in vllm_server_env(hub)
 
 
 # --- cores -----------------------------------------------------------------------------
