@@ -1,15 +1,17 @@
-"""TTFT of a shared-prefix workload with and without the CPU KV tier, in one run.
+"""TTFT of a shared-prefix workload with the CPU KV tier hit, missed, and switched off, in one run.
 
 One colocated deployment of two engines with the tier (local prefix caching off, so the
 tier is the only cache). For each prompt, engine A first answers a sibling prompt with the
 same prefix; then engine B answers the prompt twice: once with the tier holding the prefix
-("tier") and once after flushing the tier ("no tier", a full recompute). Both runs use the
-same engines, prompts and core binding, so the difference is the tier alone.
+("tier hit") and once after flushing the tier ("tier miss": a full recompute plus the
+tier's lookup and save). A second deployment, the same but with the tier disabled, answers
+the same prompts on its engine B ("tier off"). Same prompts and core binding throughout, so
+hit vs miss is what the tier saves and miss vs off what it costs when it cannot help.
 
     python -m benchmarks.cpu_tier_ttft [--prefix-blocks 6] [--prompts 8]
 
-Prints a table and writes results/cpu_tier_ttft.json. About 3-4 minutes on 2 cores,
-most of it engine start-up.
+Prints a table and writes results/cpu_tier_ttft.json. About 5 minutes on 2 cores, most of
+it engine start-up.
 """
 
 from __future__ import annotations
@@ -64,29 +66,38 @@ def tier_loaded(handle: Any) -> float:
     return counters.get("TandemCpuTierConnector", {}).get("tokens_loaded", 0)
 
 
+def deployment(tier: bool) -> Deployment:
+    """Two colocated engines (one core each on 2 cores), local prefix caching off."""
+    return Deployment(parse_config({
+        "colocated": {"replicas": 2},
+        "cpu_tier": {"enabled": tier, "size_gib": 0.25},
+        "engine_args": {"enable_prefix_caching": False, "max_model_len": 1024},  # the tiny model's limit
+    }))
+
+
 def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
     prepare_tiny_model()
-    cfg = parse_config({
-        "colocated": {"replicas": 2},
-        "cpu_tier": {"enabled": True, "size_gib": 0.25},
-        "engine_args": {"enable_prefix_caching": False, "max_model_len": 1024},  # the tiny model's limit
-    })
-    d = Deployment(cfg)
+    prompts = [(tokens(1000 + i, prefix_blocks * BLOCK), tokens(1, 20), tokens(2, 20)) for i in range(num_prompts)]
+    hit, miss, off = Figures("tier hit", [], 0), Figures("tier miss", [], 0), Figures("tier off", [], 0)
+    d = deployment(tier=True)
     d.start()
     try:
         a, b = (e.handle for e in d.engines)
-        with_tier = Figures("tier", [], 0)
-        without = Figures("no tier", [], 0)
-        for i in range(num_prompts):
-            prefix = tokens(1000 + i, prefix_blocks * BLOCK)
-            asyncio.run(ttft_ms(a, f"a-{i}", prefix + tokens(1, 20)))
-            before = tier_loaded(b)
-            with_tier.ttft_ms.append(asyncio.run(ttft_ms(b, f"b-tier-{i}", prefix + tokens(2, 20))))
-            with_tier.tokens_loaded += tier_loaded(b) - before
-            ray.get(d.kv_index.clear.remote())
-            before = tier_loaded(b)
-            without.ttft_ms.append(asyncio.run(ttft_ms(b, f"b-cold-{i}", prefix + tokens(2, 20))))
-            without.tokens_loaded += tier_loaded(b) - before
+        for i, (prefix, sibling, own) in enumerate(prompts):
+            asyncio.run(ttft_ms(a, f"a-{i}", prefix + sibling))
+            for figures, rid in ((hit, f"b-hit-{i}"), (miss, f"b-miss-{i}")):
+                before = tier_loaded(b)
+                figures.ttft_ms.append(asyncio.run(ttft_ms(b, rid, prefix + own)))
+                figures.tokens_loaded += tier_loaded(b) - before
+                ray.get(d.kv_index.clear.remote())
+    finally:
+        d.stop()
+    d = deployment(tier=False)
+    d.start()
+    try:
+        b = d.engines[1].handle
+        for i, (prefix, _, own) in enumerate(prompts):
+            off.ttft_ms.append(asyncio.run(ttft_ms(b, f"b-off-{i}", prefix + own)))
     finally:
         d.stop()
     return {
@@ -94,7 +105,7 @@ def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
         "shared_prefix_tokens": prefix_blocks * BLOCK,
         "runs": [
             {"label": f.label, "ttft_ms": f.ttft_ms, "ttft_median_ms": f.median_ms, "tokens_loaded": f.tokens_loaded}
-            for f in (without, with_tier)
+            for f in (off, miss, hit)
         ],
     }
 

@@ -154,6 +154,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self._lookups: dict[str, _Pending] = {}
         self._saved_blocks: dict[str, int] = {}
         self._meta = TierMetadata()
+        # Worker state: this step's saves with their pending slot requests (bound before the
+        # forward pass, written in wait_for_save).
+        self._step_saves: list[tuple[SaveJob, Any]] = []
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -261,8 +264,15 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches, self.num_blocks)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called before each forward pass: ask the index for slots for this step's saves now,
+        so its answer is in by wait_for_save (vLLM calls start_load_kv after the forward)."""
+        super().bind_connector_metadata(connector_metadata)
+        assert self.worker is not None and isinstance(connector_metadata, TierMetadata)
+        self._step_saves = [(job, self.worker.request_slots(job.hashes)) for job in connector_metadata.saves]
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Called before each forward pass: post this step's planned loads."""
+        """Called once per step: post this step's planned loads."""
         assert self.worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierMetadata)
@@ -278,10 +288,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Called after each forward pass: write the blocks it completed to the store."""
         assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TierMetadata)
-        for job in meta.saves:
-            self.worker.save(job.block_ids, job.hashes, self.block_size)
+        saves, self._step_saves = self._step_saves, []
+        for job, slots_ref in saves:
+            self.worker.save(job.block_ids, job.hashes, self.block_size, slots_ref)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Called once per step: requests whose loads ended (errors reported separately)."""

@@ -2,10 +2,12 @@
 the stores' host pools with one-sided NIXL transfers.
 
 Saves are synchronous, in ``wait_for_save`` right after the forward pass that computed the
-blocks (the blocks may be freed and reused the step after). Loads are asynchronous: posted
-in ``start_load_kv`` and polled in ``get_finished``. Any failure (a dead store, a location
-outside its pool, a transfer error or timeout) marks the request's not-yet-loaded blocks as
-load errors, which vLLM recomputes.
+blocks (the blocks may be freed and reused the step after); their slots are requested from
+the index when the step's metadata is bound, before the forward pass, so the index round
+trip hides behind it and only the local NIXL WRITE is paid in the step. Loads are
+asynchronous: posted in ``start_load_kv`` and polled in ``get_finished``. Any failure (a
+dead store, a location outside its pool, a transfer error or timeout) marks the request's
+not-yet-loaded blocks as load errors, which vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -150,14 +152,22 @@ class CpuTierWorker:
 
     # ---- saves ----
 
-    def save(self, block_ids: list[int], hashes: list[bytes], block_size: int) -> None:
-        """Write these computed blocks to this node's store; called in wait_for_save, so the
-        blocks are valid until it returns. A failed save is logged and dropped (a miss later)."""
+    def request_slots(self, hashes: list[bytes]) -> Any | None:
+        """Ask the index for store slots for these hashes without waiting (called before the
+        forward pass that computes the blocks); the answer goes to `save`. None: nothing to save."""
         if self.store_id is None or not hashes:
+            return None
+        return self.index.allocate.remote(self.store_id, hashes)
+
+    def save(self, block_ids: list[int], hashes: list[bytes], block_size: int, slots_ref: Any | None) -> None:
+        """Write these computed blocks to the slots `request_slots` asked for; called in
+        wait_for_save, so the blocks are valid until it returns. A failed save is logged and
+        dropped (a miss later)."""
+        if slots_ref is None:
             return
         grant: Grant | None = None
         try:
-            grant = ray.get(self.index.allocate.remote(self.store_id, hashes), timeout=CONTROL_TIMEOUT_S)
+            grant = ray.get(slots_ref, timeout=CONTROL_TIMEOUT_S)
             if grant is None or not grant.hashes:
                 return
             store = self._store(grant.store_id, grant.incarnation)
