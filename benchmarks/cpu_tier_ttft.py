@@ -1,16 +1,17 @@
 """TTFT of a shared-prefix workload with the CPU KV tier hit, missed, and switched off, in one run.
 
-One colocated deployment of two engines with the tier (local prefix caching off, so the
-tier is the only cache). For each prompt, engine A first answers a sibling prompt with the
-same prefix; then engine B answers the prompt twice: once with the tier holding the prefix
-("tier hit") and once after flushing the tier ("tier miss": a full recompute plus the
-tier's lookup and save). A second deployment, the same but with the tier disabled, answers
-the same prompts on its engine B ("tier off"). Same prompts and core binding throughout, so
-hit vs miss is what the tier saves and miss vs off what it costs when it cannot help.
+Two colocated deployments side by side, two engines each (one core each on 2 cores), local
+prefix caching off so the tier is the only cache: one with the tier, one without. For each
+prompt, engine A of the first answers a sibling prompt with the same prefix; then its engine
+B answers the prompt with the tier holding the prefix ("tier hit") and again after the tier
+is flushed ("tier miss": a full recompute plus the tier's lookup and save), and engine B of
+the second deployment answers it too ("tier off"). Miss and off alternate in order from
+prompt to prompt and share a core binding, so host noise falls on both: hit vs miss is what
+the tier saves, miss vs off what it costs when it cannot help.
 
-    python -m benchmarks.cpu_tier_ttft [--prefix-blocks 6] [--prompts 8]
+    python -m benchmarks.cpu_tier_ttft [--prefix-blocks 6] [--prompts 16]
 
-Prints a table and writes results/cpu_tier_ttft.json. About 5 minutes on 2 cores, most of
+Prints a table and writes results/cpu_tier_ttft.json. About 4 minutes on 2 cores, most of
 it engine start-up.
 """
 
@@ -72,34 +73,38 @@ def deployment(tier: bool) -> Deployment:
         "colocated": {"replicas": 2},
         "cpu_tier": {"enabled": tier, "size_gib": 0.25},
         "engine_args": {"enable_prefix_caching": False, "max_model_len": 1024},  # the tiny model's limit
+        "serve": {"app_name": "tier-on" if tier else "tier-off"},
     }))
 
 
 def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
     prepare_tiny_model()
-    prompts = [(tokens(1000 + i, prefix_blocks * BLOCK), tokens(1, 20), tokens(2, 20)) for i in range(num_prompts)]
     hit, miss, off = Figures("tier hit", [], 0), Figures("tier miss", [], 0), Figures("tier off", [], 0)
-    d = deployment(tier=True)
-    d.start()
+    with_tier, without = deployment(tier=True), deployment(tier=False)
     try:
-        a, b = (e.handle for e in d.engines)
-        for i, (prefix, sibling, own) in enumerate(prompts):
-            asyncio.run(ttft_ms(a, f"a-{i}", prefix + sibling))
-            for figures, rid in ((hit, f"b-hit-{i}"), (miss, f"b-miss-{i}")):
-                before = tier_loaded(b)
-                figures.ttft_ms.append(asyncio.run(ttft_ms(b, rid, prefix + own)))
-                figures.tokens_loaded += tier_loaded(b) - before
-                ray.get(d.kv_index.clear.remote())
+        with_tier.start()
+        without.start()
+        a, b = (e.handle for e in with_tier.engines)
+        b_off = without.engines[1].handle
+
+        def ask(figures: Figures, handle: Any, rid: str, prompt: list[int]) -> None:
+            before = tier_loaded(handle)
+            figures.ttft_ms.append(asyncio.run(ttft_ms(handle, rid, prompt)))
+            figures.tokens_loaded += tier_loaded(handle) - before
+            if handle is b:
+                ray.get(with_tier.kv_index.clear.remote())  # the next ask starts cold
+
+        for i in range(num_prompts):
+            prefix = tokens(1000 + i, prefix_blocks * BLOCK)
+            prompt = prefix + tokens(2, 20)
+            asyncio.run(ttft_ms(a, f"a-{i}", prefix + tokens(1, 20)))  # puts the prefix in the tier
+            ask(hit, b, f"b-hit-{i}", prompt)
+            cold = [(miss, b, f"b-miss-{i}"), (off, b_off, f"b-off-{i}")]
+            for figures, handle, rid in cold[:: 1 if i % 2 else -1]:
+                ask(figures, handle, rid, prompt)
     finally:
-        d.stop()
-    d = deployment(tier=False)
-    d.start()
-    try:
-        b = d.engines[1].handle
-        for i, (prefix, _, own) in enumerate(prompts):
-            off.ttft_ms.append(asyncio.run(ttft_ms(b, f"b-off-{i}", prefix + own)))
-    finally:
-        d.stop()
+        with_tier.stop()
+        without.stop()
     return {
         "prompt_tokens": prefix_blocks * BLOCK + 20,
         "shared_prefix_tokens": prefix_blocks * BLOCK,
@@ -113,7 +118,7 @@ def run(prefix_blocks: int, num_prompts: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-blocks", type=int, default=6, help="shared prefix length in 128-token blocks (at most 7: max_model_len 1024)")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("results/cpu_tier_ttft.json"))
     args = parser.parse_args()
     # address="local": always a fresh instance; with no address, ray.init joins any Ray

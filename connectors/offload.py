@@ -7,9 +7,9 @@ TandemMultiConnector). ``kv_connector_extra_config`` is a ``TierSettings`` (writ
 ``orchestrator.deploy``): where the Ray cluster and the tier's actors are, and whether this
 engine saves and/or loads.
 
-Scheduler role (engine core): asks the index actor, asynchronously, how long a prefix of
-the request's block hashes is held ("not yet" until the answer arrives), pins it for the
-load, plans loads into the blocks vLLM allocates, and plans saves of newly computed full
+Scheduler role (engine core): asks the index actor, as soon as a request arrives, how long
+a prefix of the request's block hashes is held (when first scheduling the request it waits
+a few ms for the answer, then says "not yet" until it arrives), pins it for the load, plans loads into the blocks vLLM allocates, and plans saves of newly computed full
 prompt blocks. Worker role (next to the KV cache): moves the bytes through NIXL, see
 ``connectors.offload_worker``. Both run in the engine process, which joins the Ray cluster
 as a driver to reach the actors; Ray calls carry hashes and slot numbers, never KV bytes.
@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tandem.cpu_tier")
 
+# How long the scheduler waits for the index's answer when it first considers a request.
+# The lookup starts when the request arrives, so this is usually a wait of a few ms at most;
+# past it the request waits a step ("not yet"), which under load costs a whole forward pass.
+LOOKUP_WAIT_S = 0.01
 # A lookup unanswered after this long counts as a miss (the request is admitted cold).
 LOOKUP_TIMEOUT_S = 2.0
 
@@ -165,40 +169,66 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----
 
+    def on_new_request(self, request: Request) -> None:
+        """Called when a request reaches the scheduler: start its lookup now, so the answer is
+        usually in by the time the scheduler first considers the request."""
+        if self.settings.load and self._loadable_blocks(request) > 0:
+            self._start_lookup(request, 0)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Called while admitting a request, maybe several times. Returns (None, False) while
-        the index lookup is in flight, then (tokens of the held prefix beyond
-        num_computed_tokens, True: loaded asynchronously), or (0, False) on a miss."""
+        """Called while admitting a request, maybe several times. Waits up to LOOKUP_WAIT_S
+        for the index's answer, then returns (None, False) while it is still in flight; once
+        answered, (tokens of the held prefix beyond num_computed_tokens, True: loaded
+        asynchronously), or (0, False) on a miss."""
         if not self.settings.load:
             return 0, False
         req_id = request.request_id
-        # At least one prompt token must be computed to produce logits.
-        max_blocks = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         first = num_computed_tokens // self.block_size
-        if first >= max_blocks:
+        if first >= self._loadable_blocks(request):
             return 0, False
         pending = self._lookups.get(req_id)
-        if pending is None or pending.first_block != first:
-            hashes = [bytes(h) for h in request.block_hashes[first:max_blocks]]
-            self._lookups[req_id] = _Pending(self.index.lookup.remote(self._pin_key(req_id), hashes), first)
+        if pending is None or pending.first_block > first:
+            pending = self._start_lookup(request, first)
+        if pending.locations is None and not self._answer(req_id, pending):
             return None, False
-        if pending.locations is None:
-            ready, _ = ray.wait([pending.ref], timeout=0)
-            if not ready:
-                if time.monotonic() - pending.started < LOOKUP_TIMEOUT_S:
-                    return None, False
-                logger.warning("CPU tier lookup of request %s timed out; computing it", req_id)
-                pending.locations = []
-            else:
-                try:
-                    pending.locations = ray.get(pending.ref).locations
-                except Exception as err:  # index gone: serve without the tier
-                    logger.warning("CPU tier lookup of request %s failed (%s); computing it", req_id, err)
-                    pending.locations = []
+        if pending.first_block < first:
+            # Looked up from an earlier block (at arrival); vLLM's own cache covers up to
+            # `first`. A tier run shorter than that is of no use (a rare miss, not an error).
+            pending.locations = pending.locations[first - pending.first_block :]
+            pending.first_block = first
         num_blocks = len(pending.locations)
         if num_blocks == 0:
             return 0, False
         return (first + num_blocks) * self.block_size - num_computed_tokens, True
+
+    def _loadable_blocks(self, request: Request) -> int:
+        """Full prompt blocks the tier may provide (at least one prompt token must be computed
+        to produce logits)."""
+        return min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+
+    def _start_lookup(self, request: Request, first: int) -> _Pending:
+        req_id = request.request_id
+        hashes = [bytes(h) for h in request.block_hashes[first : self._loadable_blocks(request)]]
+        pending = self._lookups[req_id] = _Pending(self.index.lookup.remote(self._pin_key(req_id), hashes), first)
+        return pending
+
+    def _answer(self, req_id: str, pending: _Pending) -> bool:
+        """Fill `pending.locations` if the index has answered (waiting up to LOOKUP_WAIT_S
+        from the lookup's start), or if it failed or timed out (a miss); False: still open."""
+        waited = time.monotonic() - pending.started
+        ready, _ = ray.wait([pending.ref], timeout=max(0.0, LOOKUP_WAIT_S - waited))
+        if not ready:
+            if waited < LOOKUP_TIMEOUT_S:
+                return False
+            logger.warning("CPU tier lookup of request %s timed out; computing it", req_id)
+            pending.locations = []
+            return True
+        try:
+            pending.locations = ray.get(pending.ref).locations
+        except Exception as err:  # index gone: serve without the tier
+            logger.warning("CPU tier lookup of request %s failed (%s); computing it", req_id, err)
+            pending.locations = []
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called after vLLM allocates blocks for an admitted request (twice for an async

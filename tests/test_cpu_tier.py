@@ -1,7 +1,14 @@
-"""Specification of the CPU tier's index (pure logic) and of how deploy wires the tier."""
+"""Specification of the CPU tier's index (pure logic), of how deploy wires the tier, and of the
+connector's scheduler side against a real index actor."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
 import pytest
 
 from actors.kv_index import KVIndex, StoreEndpoint
@@ -247,3 +254,88 @@ def test_an_engine_process_joins_ray_without_the_error_listener_and_still_reache
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# ---- the connector's scheduler side against a real index actor ------------------------
+
+
+BS = 128  # vLLM's block size on CPU
+
+
+@pytest.fixture(scope="module")
+def tier_scheduler(ray_local: None) -> Iterator[tuple[Any, Any]]:
+    """A scheduler-role TandemCpuTierConnector (vLLM's configs faked: only the fields it reads)
+    and an index actor holding H[0], H[1]."""
+    import ray
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from actors.kv_index import KVIndexActor
+    from connectors.offload import TandemCpuTierConnector
+
+    index = KVIndexActor.options(name="sched-test-index", namespace="tandem-test").remote()
+    ray.get(index.register_store.remote(endpoint()))
+    ray.get(index.set_slot_bytes.remote(SLOT))
+    ray.get(index.commit.remote(ray.get(index.allocate.remote("s0", [H[0], H[1]])), True))
+    settings = TierSettings(ray_address="unused", namespace="tandem-test", index_actor="sched-test-index", load=True)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings), engine_id="e0"),
+        cache_config=SimpleNamespace(block_size=BS),
+    )
+    yield TandemCpuTierConnector(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64)), index
+    ray.kill(index)
+
+
+def ray_get(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=60)
+
+
+def arrived(conn: Any, index: Any, req_id: str, num_blocks: int = 3) -> SimpleNamespace:
+    """A request of `num_blocks` full blocks (+1 token) handed to the connector on arrival;
+    returns once the index has served its lookup."""
+    req = SimpleNamespace(request_id=req_id, block_hashes=H[:num_blocks], num_tokens=num_blocks * BS + 1)
+    conn.on_new_request(req)
+    ray_get(index.get_stats.remote())  # the actor runs calls in order: the lookup is answered
+    return req
+
+
+def test_the_lookup_started_on_arrival_answers_the_first_scheduling(tier_scheduler: tuple[Any, Any]) -> None:
+    conn, index = tier_scheduler
+    req = arrived(conn, index, "first")
+    assert conn.get_num_new_matched_tokens(req, 0) == (2 * BS, True)  # H[0], H[1]; no "not yet"
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), 2 * BS)
+    (load,) = conn.build_connector_meta(SimpleNamespace()).loads
+    assert load.block_ids == [10, 11] and len(load.locations) == 2
+    conn.request_finished(req, [10, 11, 12])
+
+
+def test_a_local_prefix_hit_uses_the_arrival_lookup_past_it(tier_scheduler: tuple[Any, Any]) -> None:
+    conn, index = tier_scheduler
+    req = arrived(conn, index, "local-hit")
+    assert conn.get_num_new_matched_tokens(req, BS) == (BS, True)  # vLLM's cache has H[0]; the tier gives H[1]
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), BS)
+    (load,) = conn.build_connector_meta(SimpleNamespace()).loads
+    assert load.block_ids == [11]
+    assert load.locations == ray_get(index.lookup.remote("probe", [H[1]])).locations
+    index.unpin.remote("probe")
+    conn.request_finished(req, [10, 11, 12])
+
+
+def test_a_local_hit_longer_than_the_tier_run_is_a_miss(tier_scheduler: tuple[Any, Any]) -> None:
+    conn, index = tier_scheduler
+    req = arrived(conn, index, "longer-local")
+    assert conn.get_num_new_matched_tokens(req, 2 * BS) == (0, False)
+    conn.request_finished(req, [10, 11, 12])
+    assert ray_get(index.get_stats.remote()).num_pinned == 0  # request_finished released the lookup's pins
+
+
+def test_a_request_seen_first_by_the_scheduler_is_answered_once_the_index_replies(tier_scheduler: tuple[Any, Any]) -> None:
+    conn, _ = tier_scheduler
+    req = SimpleNamespace(request_id="no-arrival", block_hashes=H[:3], num_tokens=3 * BS + 1)
+    deadline = time.monotonic() + 60
+    while (answer := conn.get_num_new_matched_tokens(req, 0)) == (None, False):
+        assert time.monotonic() < deadline, "the lookup was never answered"
+        time.sleep(0.01)
+    assert answer == (2 * BS, True)
+    conn.request_finished(req, [])
