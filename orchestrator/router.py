@@ -94,13 +94,20 @@ class RequestTrace(msgspec.Struct):
 
 
 async def stream_engine(engine: EngineRef, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-    """Stream an engine actor's chunks; abort the request there if the consumer stops early."""
+    """Stream an engine actor's chunks; abort the request there if the consumer stops early.
+
+    Ends at the finished chunk instead of waiting for Ray's end of stream: that wait is one
+    more hop on every request, and a client leaving during it would lose a prefill's KV
+    transfer params, leaving its blocks held until vLLM's lease expires.
+    """
     finished = False
     try:
         async for ref in engine.handle.generate.remote(req):
             chunk: EngineChunk = await ref
             finished = chunk.finished
             yield chunk
+            if finished:
+                return
     finally:
         if not finished:
             try:
