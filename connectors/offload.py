@@ -10,7 +10,8 @@ engine saves and/or loads.
 Scheduler role (engine core): asks the index actor, as soon as a request arrives, how long
 a prefix of the request's block hashes is held (when first scheduling the request it waits
 a few ms for the answer, then says "not yet" until it arrives), pins it for the load, plans
-loads into the blocks vLLM allocates, and plans saves of newly computed full prompt blocks. Worker role (next to the KV cache): moves the bytes through NIXL, see
+loads into the blocks vLLM allocates, and plans saves of newly computed full prompt blocks.
+Worker role (next to the KV cache): moves the bytes through NIXL, see
 ``connectors.offload_worker``. Both run in the engine process, which joins the Ray cluster
 as a driver to reach the actors; Ray calls carry hashes and slot numbers, never KV bytes.
 
