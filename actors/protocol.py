@@ -69,7 +69,13 @@ class EngineInfo(msgspec.Struct, frozen=True):
     max_model_len: int
     block_size: int
     side_channel: str | None
+    # Cores every process of the engine may run on (None: unbound), and the subset its
+    # OpenMP compute threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+    cores: list[int] | None
     cpu_binding: str | None
+    # The niceness the engine's processes run at (may differ from the config's: see
+    # cpu.engine_niceness).
+    niceness: int
 
 
 class TransferStats(msgspec.Struct):

@@ -14,6 +14,10 @@ loop polls NIXL every step while a request sends or receives KV and sleeps when 
 transfers still progress on both sides), no dedicated threads, and a strict agent lock
 because vLLM's handshake thread calls the agent concurrently with the engine thread.
 
+On CPU hosts it also undoes vLLM's move of the worker's compute thread onto the host's
+last core (see ``TandemNixlWorker.__init__``), which put every engine's forward passes on
+one core.
+
 It also tags every completed transfer with its request id, so the engine actor can name
 the request of a slow transfer (``TandemNixlStats``).
 
@@ -24,6 +28,7 @@ Everything else is vLLM's pull-mode (READ) NixlConnector, unchanged. Engines loa
 from __future__ import annotations
 
 import importlib
+import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +125,14 @@ class TandemNixlWorker(NixlPullConnectorWorker):
     """vLLM's pull worker with a Tandem-built agent and per-request transfer records."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        # On CPU, vLLM's worker moves the calling thread to the host's last core of each
+        # NUMA node, "reserved for KV transfer" (base_worker.py). That thread is the worker's
+        # main thread, OpenMP's master: the forward pass itself. Under Tandem's placement
+        # that core belongs to another engine, so every engine would compute there. Keep
+        # the thread on the cores the engine's binding gave it.
+        affinity = os.sched_getaffinity(0)
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        os.sched_setaffinity(0, affinity)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         settings = settings_from_extra_config(extra)
         # vLLM's agent has no memory registered and no peers yet (both happen later), so
