@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -45,53 +45,19 @@ class EngineSpec(msgspec.Struct, frozen=True):
     cores: list[int] | None = None
     # A KV transfer slower than this (seconds) is counted and logged as a WARNING.
     slow_transfer_s: float = 1.0
-    # Niceness for the actor and every process vLLM spawns for it; None: Ray's.
-    niceness: int | None = None
-
-
-def _each_thread(apply: Callable[[int], None]) -> None:
-    """Call `apply(tid)` for every thread of this process.
-
-    Affinity and niceness are per thread on Linux, and a thread or process started later
-    inherits them from the thread that starts it; so setting every current thread covers
-    all of vLLM's engine core and worker processes too.
-    """
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            apply(int(tid))
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
 
 
 def _pin_process(cores: list[int]) -> None:
-    """Confine the engine to `cores`.
+    """Confine every thread of this process, and so every process it spawns later, to `cores`.
 
     vLLM binds only its OpenMP compute threads; its scheduler process, this actor's event
     loop and NIXL would otherwise float onto other engines' cores and preempt their steps.
     """
-    _each_thread(lambda tid: os.sched_setaffinity(tid, cores))
-
-
-def _set_niceness(engine_id: str, niceness: int) -> int:
-    """Run the engine at `niceness`; returns the niceness it runs at.
-
-    Ray starts workers at niceness 15, so without this every Ray daemon, Serve's HTTP path
-    and any client at 0 preempts engine steps on a busy host. Lowering it needs
-    CAP_SYS_NICE; without that the engine keeps Ray's value and says how to fix it.
-    """
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, niceness))
-    except PermissionError:
-        logger.warning(
-            "engine %s keeps niceness %d (as Ray started it) instead of cpu.engine_niceness=%d: "
-            "this process may not raise its priority. Busy hosts will preempt its steps. Fix: "
-            "give Ray's workers CAP_SYS_NICE, or start Ray with RAY_worker_niceness=%d; "
-            "cpu.engine_niceness: null silences this",
-            engine_id, current, niceness, niceness,
-        )
-        return current  # the first thread already failed: every thread has the same rights
-    return niceness
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) -> None:
@@ -175,9 +141,6 @@ class EngineActor:
         )
         if self.spec.cores is not None:
             _pin_process(self.spec.cores)
-        niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        if self.spec.niceness is not None:
-            niceness = _set_niceness(self.spec.engine_id, self.spec.niceness)
         observe = partial(_observe_connector_stats, slow_s=self.spec.slow_transfer_s)
         factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
         # AsyncLLM's constructor waits for the engine core process; keep the loop free.
@@ -198,7 +161,6 @@ class EngineActor:
             side_channel=side,
             cores=self.spec.cores,
             cpu_binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-            niceness=niceness,
         )
         logger.info("engine %s (%s) ready: %s", self.spec.engine_id, self.spec.role, self._info)
         return self._info

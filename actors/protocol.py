@@ -73,9 +73,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # OpenMP compute threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
     cores: list[int] | None
     cpu_binding: str | None
-    # The niceness the engine's processes run at (may differ from the config's: see
-    # cpu.engine_niceness).
-    niceness: int
 
 
 class TransferStats(msgspec.Struct):

@@ -125,11 +125,6 @@ class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Pin each engine's OpenMP threads to its own cores, split from the node's cores by
     # placement. "off" leaves vLLM's own binding (every engine on every core).
     bind_cores: Literal["auto", "off"] = "auto"
-    # Scheduling niceness of every engine process (any device). Ray starts its workers at
-    # 15, below its own daemons and any client at 0, so on a busy host they preempt engine
-    # steps. Lowering it needs CAP_SYS_NICE (root has it); without, the engine warns and
-    # keeps Ray's value. null leaves Ray's value alone.
-    engine_niceness: Annotated[int, Meta(ge=-20, le=19)] | None = 0
 
 
 PoolRole = Literal["prefill", "decode", "both"]

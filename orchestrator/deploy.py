@@ -159,7 +159,6 @@ class Deployment:
                 kv_transfer=kv_transfer,
                 cores=slot.cores,
                 slow_transfer_s=cfg.kv_transfer.slow_transfer_s,
-                niceness=cfg.cpu.engine_niceness,
             )
             handle = EngineActor.options(
                 name=f"{cfg.serve.app_name}:{spec.engine_id}",

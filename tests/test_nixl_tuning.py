@@ -2,23 +2,21 @@
 
 Pure logic first: config -> agent settings and engine environment, the core split that
 leaves room for the engine's non-OpenMP threads, per-request transfer records, the slow-
-transfer count and log, the engine's niceness. Then one real 1P1D deployment: pre-warmed
-before it reports ready, every engine process pinned to its cores and at its niceness.
+transfer count and log. Then one real 1P1D deployment: pre-warmed before it reports ready,
+every thread of every engine process on its engine's cores.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
 
-from actors.engine import _observe_connector_stats, _set_niceness
+from actors.engine import _observe_connector_stats
 from actors.protocol import EngineStats
 from connectors.nixl import (
     EXTRA_CONFIG_KEY,
@@ -155,43 +153,6 @@ def test_more_engines_than_cores_share_round_robin() -> None:
     assert [engine_cores([0, 1], 3, i) for i in range(3)] == [[0], [1], [0]]
 
 
-# --- niceness ---------------------------------------------------------------------------
-
-
-def test_engine_niceness_out_of_range_names_the_field() -> None:
-    with pytest.raises(ConfigError, match=r"`cpu\.engine_niceness`.*<= 19"):
-        parse_config({"cpu": {"engine_niceness": 25}})
-
-
-def test_engine_niceness_is_set_on_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(os, "setpriority", lambda which, tid, nice: calls.append((tid, nice)))
-    assert _set_niceness("decode-0", 0) == 0
-    assert {tid for tid, _ in calls} == {int(t) for t in os.listdir("/proc/self/task")}
-    assert {nice for _, nice in calls} == {0}
-
-
-def test_an_engine_that_may_not_raise_its_priority_keeps_rays_niceness_and_says_how_to_fix(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def refuse(which: int, tid: int, nice: int) -> None:
-        raise PermissionError(13, "Permission denied")
-
-    monkeypatch.setattr(os, "getpriority", lambda which, who: 15)
-    monkeypatch.setattr(os, "setpriority", refuse)
-    with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-        assert _set_niceness("decode-0", 0) == 15
-    [record] = caplog.records
-    message = record.getMessage()
-    assert all(part in message for part in ("decode-0", "niceness 15", "CAP_SYS_NICE", "RAY_worker_niceness=0"))
-
-
-def may_lower_niceness() -> bool:
-    """Whether a process here may lower its niceness again (root or CAP_SYS_NICE)."""
-    probe = "import os; os.nice(5); os.setpriority(os.PRIO_PROCESS, 0, 0)"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
-
-
 # --- per-request transfer records and the slow-transfer check -----------------------------
 
 
@@ -275,7 +236,8 @@ def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, t
     """Deploy 1P1D with the defaults: by the time start() returns, every P->D handshake has
     been made and a real KV block has moved over NIXL, before any user request. Every
     thread of every engine process (actor, vLLM engine core, worker) runs on its engine's
-    cores only, at cpu.engine_niceness (0) where the host allows lowering Ray's 15.
+    cores only: vLLM's NIXL worker moves its compute thread to the host's last core, which
+    is another engine's, and TandemNixlConnector moves it back.
 
     The idle-CPU target (< 0.1 core for an idle 1P1D) is a performance figure, so it lives in
     `benchmarks/idle_cpu.py` (see docs/performance.md), not in a test.
@@ -290,29 +252,27 @@ def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, t
     try:
         decode = next(e for e in deployment.engines if e.role == "decode")
         moved = ray.get(decode.handle.get_stats.remote()).transfers
-        threads = {e.engine_id: engine_threads(ray.get(e.handle.info.remote()).pid) for e in deployment.engines}
         infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in deployment.engines}
+        threads = {eid: engine_threads(info.pid) for eid, info in infos.items()}
     finally:
         deployment.stop()
     assert moved.num_transfers == 1, "exactly the pre-warm request's pull"
     assert moved.bytes > 0 and moved.num_failed == 0
-    expected_nice = 0 if may_lower_niceness() else 15
     cores = {eid: set(info.cores or []) for eid, info in infos.items()}
     assert cores["prefill-0"] and cores["decode-0"] and cores["prefill-0"].isdisjoint(cores["decode-0"])
     for eid, info in infos.items():
-        assert info.niceness == expected_nice
-        assert len({name for name, _, _ in threads[eid]}) >= 3, "actor, engine core and worker"
-        for name, nice, affinity in threads[eid]:
-            assert nice == expected_nice and affinity <= cores[eid], f"{eid}: a thread of {name} is at niceness {nice} on cores {affinity}"
+        assert len({name for name, _ in threads[eid]}) >= 3, "actor, engine core and worker"
+        for name, affinity in threads[eid]:
+            assert affinity <= cores[eid], f"{eid}: a thread of {name} runs on cores {affinity}"
 
 
-def engine_threads(pid: int) -> list[tuple[str, int, set[int]]]:
-    """(process name, niceness, allowed cores) of every thread of `pid` and its descendants."""
+def engine_threads(pid: int) -> list[tuple[str, set[int]]]:
+    """(process name, allowed cores) of every thread of `pid` and its descendants."""
     import psutil
 
     root = psutil.Process(pid)
     found = []
     for proc in [root, *root.children(recursive=True)]:
         for thread in proc.threads():
-            found.append((proc.name(), os.getpriority(os.PRIO_PROCESS, thread.id), os.sched_getaffinity(thread.id)))
+            found.append((proc.name(), os.sched_getaffinity(thread.id)))
     return found
