@@ -57,7 +57,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     scenarios: str | None = None  # None: DEFAULT_SCENARIOS, or DEFAULT_CLUSTER_SCENARIOS with `address`
     rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
-    num_requests: int = 20  # measured requests per rate
+    num_requests: int = 40  # measured requests per rate
     warmup: int = 2  # requests sent before each measured run
     input_len: int = 256  # prompt tokens
     output_len: int = 32  # output tokens (ignore_eos)

@@ -28,6 +28,7 @@ import msgspec
 
 from orchestrator.config import PoolConfig, TandemConfig
 from orchestrator.models import hub_env, resolve_local
+from orchestrator.placement import omp_binding
 
 # "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
 ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "external"]
@@ -181,12 +182,16 @@ def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
 
 
 def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
-    """The same process settings a Tandem colocated engine gets: KV cache size, every core."""
+    """The process settings a Tandem colocated engine alone on this host gets: KV cache size,
+    and OpenMP on every core but the one left for the scheduler (placement.omp_binding; vLLM's
+    own "auto" binding also keeps a core for its scheduler). With OpenMP on every core, the
+    server would prefill with one more compute thread than the engine it is compared with."""
     env = dict(os.environ) | hub_env(cfg.model.source)
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
         if cfg.cpu.bind_cores == "auto":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+            tp = cfg.colocated.tensor_parallel_size if cfg.colocated is not None else 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(sorted(os.sched_getaffinity(0)), tp)
     return env
 
 

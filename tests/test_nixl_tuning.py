@@ -133,6 +133,19 @@ def test_only_a_builtin_model_keeps_engines_off_the_hub(monkeypatch: pytest.Monk
 # --- cores -----------------------------------------------------------------------------
 
 
+def test_the_plain_vllm_server_gets_the_openmp_cores_of_a_colocated_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's vLLM server must compute on as many cores as the Tandem engine it is
+    compared with: all but the last, which is left to the scheduler."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    one = parse_config({"colocated": {}})
+    two = parse_config({"colocated": {"tensor_parallel_size": 2}})
+    assert vllm_server_env(one)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
+    assert vllm_server_env(two)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    off = parse_config({"colocated": {}, "cpu": {"bind_cores": "off"}})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_server_env(off)
+
+
 def test_two_engines_on_two_cores_get_one_core_each() -> None:
     assert [engine_cores([0, 1], 2, i) for i in range(2)] == [[0], [1]]
     assert [split_cores([0, 1], 2, i, 1) for i in range(2)] == ["0", "1"]
