@@ -185,7 +185,8 @@ def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
     """The process settings a Tandem colocated engine alone on this host gets: KV cache size,
     and OpenMP on every core but the one left for the scheduler (placement.omp_binding; vLLM's
     own "auto" binding also keeps a core for its scheduler). With OpenMP on every core, the
-    server would prefill with one more compute thread than the engine it is compared with."""
+    server would run one more compute thread than the engine it is compared with, sharing a
+    core with its busy-waiting scheduler; on two cores that made it slower, not faster."""
     env = dict(os.environ) | hub_env(cfg.model.source)
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)

@@ -286,6 +286,13 @@ def engine_threads(pid: int) -> list[tuple[str, set[int]]]:
     root = psutil.Process(pid)
     found = []
     for proc in [root, *root.children(recursive=True)]:
-        for thread in proc.threads():
-            found.append((proc.name(), os.sched_getaffinity(thread.id)))
+        try:
+            name, threads = proc.name(), proc.threads()
+        except psutil.NoSuchProcess:  # a helper process that ended meanwhile
+            continue
+        for thread in threads:
+            try:
+                found.append((name, os.sched_getaffinity(thread.id)))
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
     return found
