@@ -181,6 +181,7 @@ class EngineActor:
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
         )
         finished = False
+        loop = asyncio.get_running_loop()
         try:
             async for out in self.llm.generate(
                 {"prompt_token_ids": req.prompt_token_ids}, params, req.request_id
@@ -189,6 +190,7 @@ class EngineActor:
                 # vLLM ends an aborted request with a last output that is finished with reason
                 # "abort"; count it as aborted, as a cancelled stream is.
                 finished = out.finished and comp.finish_reason != "abort"
+                sent = loop.time()
                 yield EngineChunk(
                     text=comp.text,
                     token_ids=list(comp.token_ids),
@@ -199,6 +201,12 @@ class EngineActor:
                     num_cached_tokens=out.num_cached_tokens or 0,
                     kv_transfer_params=out.kv_transfer_params if out.finished else None,
                 )
+                if req.stream_batch_s > 0 and not out.finished:
+                    # Not reading vLLM's output while we wait lets its per-request collector
+                    # merge the next steps' deltas into one: one Ray message (and one HTTP
+                    # event downstream) for several tokens. Each hop costs CPU per message,
+                    # which on small hosts the engine's own scheduler has to share.
+                    await asyncio.sleep(sent + req.stream_batch_s - loop.time())
         finally:
             if finished:
                 self.stats.num_requests_finished += 1

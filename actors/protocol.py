@@ -43,6 +43,10 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # vLLM's kv_transfer_params: {"do_remote_decode": True} for a prefill, the prefill's
     # answer for the matching decode, None for a colocated request.
     kv_transfer_params: dict[str, Any] | None = None
+    # Tokens decoded within this many seconds of the previous chunk wait and leave with the
+    # next one (vLLM merges the deltas meanwhile); the first chunk never waits. 0: a chunk
+    # per engine step.
+    stream_batch_s: float = 0.0
 
 
 class EngineChunk(msgspec.Struct, frozen=True):
@@ -106,5 +110,10 @@ class EngineStats(msgspec.Struct):
     # "queue" (arrival to first scheduled) and "prefill" (scheduled to first token).
     num_timed_requests: int = 0
     phase_seconds: dict[str, float] = {}
+    # vLLM's mean time per output token after the first, per request, summed over the
+    # num_decoded_requests that generated two tokens or more. vLLM takes it from the engine
+    # core's step timestamps, so it is the decode speed before any relay to the client.
+    tpot_seconds: float = 0.0
+    num_decoded_requests: int = 0
     # Raw per-connector counters reported by Tandem's connectors (name -> counter -> value).
     connector_counters: dict[str, dict[str, float]] = {}

@@ -56,6 +56,9 @@ class TandemStatLogger(StatLoggerBase):
                 s.num_timed_requests += 1
                 for phase, seconds in (("queue", finished.queued_time), ("prefill", finished.prefill_time)):
                     s.phase_seconds[phase] = s.phase_seconds.get(phase, 0.0) + seconds
+                if finished.num_generation_tokens > 1:
+                    s.num_decoded_requests += 1
+                    s.tpot_seconds += finished.mean_time_per_output_token
 
     def log_engine_initialized(self) -> None:
         pass

@@ -27,6 +27,8 @@ from benchmarks.direct import run_direct
 from benchmarks.loadgen import RunResult, run_sweep, scrape_metrics
 from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
 from benchmarks.phases import (
+    ENGINE_TPOT_COUNTS,
+    ENGINE_TPOT_SUMS,
     KV_BYTES,
     KV_MAX,
     KV_SECONDS,
@@ -43,7 +45,7 @@ from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
-from orchestrator.router import RequestTrace
+from orchestrator.router import RequestTrace, Router
 
 logger = logging.getLogger("tandem.bench")
 
@@ -200,7 +202,8 @@ def _sweep(setup: _Setup, base_url: str, model: str, label: str, names: list[str
 def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[ScenarioReport, KVGeometry | None]:
     """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines."""
     o = setup.opts
-    names = metric_names() if scenario.is_tandem else []
+    # A vLLM server exposes its own engine TPOT under vllm: names; only those match there.
+    names = metric_names() if scenario.is_tandem else [*ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
     with deployed(scenario, setup.base, setup.port, log_dir) as target:
         logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
         runs = _sweep(setup, target.base_url, target.model, scenario.name, names)
@@ -213,8 +216,9 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
             for k, rate in enumerate(o.rates):
                 # Seeds apart from the HTTP sweep's (seed + k) and from each other: no prefix-cache hits.
                 requests = setup.workload.sample(o.num_requests, o.seed + DIRECT_SEED_OFFSET + k, setup.tokenizer)
+                router = Router(target.deployment.engines, setup.base.routing.policy, setup.base.serve.stream_batch_ms / 1000)
                 direct.append(asyncio.run(run_direct(
-                    target.deployment.engines, setup.base.routing.policy, target.model, requests, setup.tokenizer,
+                    router, target.model, requests, setup.tokenizer,
                     rate=rate, seed=o.seed + k, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
                     duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload,
                 )))

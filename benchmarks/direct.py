@@ -22,7 +22,7 @@ from benchmarks.loadgen import RunConfig, RunResult, _measure, arrival_times, en
 from benchmarks.stats import SLO, RequestResult, summarize
 from benchmarks.workloads import BenchRequest, WorkloadSpec
 from orchestrator.openai_api import CompletionRequest
-from orchestrator.router import EngineRef, Policy, RequestTrace, Router
+from orchestrator.router import RequestTrace, Router
 
 DIRECT_URL = "ray://engine-actors"  # stands in for base_url in a direct run's RunConfig
 
@@ -81,8 +81,7 @@ class DirectSender:
 
 
 async def run_direct(
-    engines: Sequence[EngineRef],
-    policy: Policy,
+    router: Router,
     model: str,
     requests: Sequence[BenchRequest],
     tokenizer: Any,
@@ -97,7 +96,8 @@ async def run_direct(
     request_timeout_s: float = 600.0,
     workload: WorkloadSpec | None = None,
 ) -> tuple[RunResult, list[RequestTrace]]:
-    """One Poisson-arrival run through a fresh in-process Router; also returns the router's traces.
+    """One Poisson-arrival run through `router` (built in this process like the ingress's, from the
+    same config); also returns the router's traces.
 
     `metrics_url` is the deployment's HTTP base, scraped before and after for engine-side
     counters (queue time, KV transfers), which the engines report whichever path fed them.
@@ -109,7 +109,7 @@ async def run_direct(
     env = environment()
     schedule = arrival_times(len(requests), rate, "poisson", seed)
     with tqdm(total=len(requests), desc=label, unit="req") as bar:
-        sender = DirectSender(Router(engines, policy), tokenizer, config, bar)
+        sender = DirectSender(router, tokenizer, config, bar)
         before = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
         results, elapsed = await _measure(sender, requests, schedule, duration_s)  # type: ignore[arg-type]
         after = await scrape_metrics(metrics_url, metric_names) if metric_names else {}

@@ -32,6 +32,10 @@ KV_SLOW = "tandem_kv_transfer_slow_total"  # slower than kv_transfer.slow_transf
 KV_MAX = "tandem_kv_transfer_max_seconds"  # a gauge: the slowest transfer since the engine started
 FALLBACKS = "tandem_fallbacks_total"
 EXTERNAL_TOKENS = 'tandem_prompt_tokens_total{source="external_kv_transfer"}'
+# vLLM's own per-request TPOT (engine-core timestamps, so no relay to the client in it),
+# as Tandem's engines and a plain vLLM server expose it; a server has one pair or the other.
+ENGINE_TPOT_SUMS = ("tandem_engine_tpot_seconds_total", "vllm:request_time_per_output_token_seconds_sum")
+ENGINE_TPOT_COUNTS = ("tandem_engine_decoded_requests_total", "vllm:request_time_per_output_token_seconds_count")
 TTFT_SUM = "tandem_time_to_first_token_seconds_sum"
 TTFT_COUNT = "tandem_time_to_first_token_seconds_count"
 
@@ -52,7 +56,7 @@ def engine_queue(pool: str) -> tuple[str, str]:
 
 def metric_names() -> list[str]:
     """Every /metrics sample a Tandem run scrapes before and after."""
-    names = [*HEADLINE_METRICS, KV_SLOW, TTFT_SUM, TTFT_COUNT]
+    names = [*HEADLINE_METRICS, KV_SLOW, TTFT_SUM, TTFT_COUNT, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
     names += [router_phase(p, s) for p in ROUTER_PHASES for s in ("sum", "count")]
     names += [n for pool in ("prefill", "both") for n in engine_queue(pool)]
     return names
@@ -60,6 +64,16 @@ def metric_names() -> list[str]:
 
 def _mean(total: float | None, count: float | None) -> float | None:
     return total / count if total is not None and count else None
+
+
+def engine_tpot_ms(deltas: Mapping[str, float]) -> float | None:
+    """Mean per-request TPOT as the engines timed it, ms; None if the server does not expose it.
+
+    A plain vLLM server counts one-token requests as 0 in its histogram; the benchmark's
+    requests all decode many tokens, so that does not arise here.
+    """
+    mean = _mean(sum(deltas.get(n, 0.0) for n in ENGINE_TPOT_SUMS), sum(deltas.get(n, 0.0) for n in ENGINE_TPOT_COUNTS))
+    return None if mean is None else 1000 * mean
 
 
 def router_phases_from_metrics(deltas: Mapping[str, float]) -> dict[str, float]:

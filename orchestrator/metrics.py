@@ -42,6 +42,8 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
     conn = fam(CounterMetricFamily, "tandem_connector_events", "Counters reported by Tandem's KV connectors", ["connector", "event"])
     timed = fam(CounterMetricFamily, "tandem_engine_timed_requests", "Finished requests whose engine-side phases are summed in tandem_engine_phase_seconds")
     phase = fam(CounterMetricFamily, "tandem_engine_phase_seconds", "Engine-side time by phase: queue (to first scheduled), prefill (to first token)", ["phase"])
+    tpot = fam(CounterMetricFamily, "tandem_engine_tpot_seconds", "vLLM's per-request mean time per output token after the first (engine-core timestamps), summed over tandem_engine_decoded_requests")
+    decoded = fam(CounterMetricFamily, "tandem_engine_decoded_requests", "Finished requests that generated two tokens or more")
     for s in stats:
         lv = [app, s.role, s.engine_id]
         t = s.transfers
@@ -70,7 +72,9 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
         timed.add_metric(lv, s.num_timed_requests)
         for name, seconds in s.phase_seconds.items():
             phase.add_metric(lv + [name], seconds)
-    return [kv_bytes, kv_num, kv_failed, kv_slow, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn, timed, phase]
+        tpot.add_metric(lv, s.tpot_seconds)
+        decoded.add_metric(lv, s.num_decoded_requests)
+    return [kv_bytes, kv_num, kv_failed, kv_slow, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn, timed, phase, tpot, decoded]
 
 
 class _EngineCollector:

@@ -119,7 +119,10 @@ async def stream_engine(engine: EngineRef, req: EngineRequest) -> AsyncIterator[
 class Router:
     """Routes requests over a prefill + decode pair of pools, or a colocated pool."""
 
-    def __init__(self, engines: Sequence[EngineRef], policy: Policy) -> None:
+    def __init__(self, engines: Sequence[EngineRef], policy: Policy, stream_batch_s: float = 0.0) -> None:
+        """`stream_batch_s`: how long engines may hold streamed tokens to send several at once
+        (EngineRequest.stream_batch_s); prefill requests produce one token and never wait."""
+        self.stream_batch_s = stream_batch_s
         by_role: dict[str, list[EngineRef]] = {}
         for e in engines:
             by_role.setdefault(e.role, []).append(e)
@@ -155,7 +158,9 @@ class Router:
         picker = self.pools[pool_name]
         engine = decode_engine or picker.pick()
         trace.decode_engine = engine.engine_id
-        req = EngineRequest(f"{request_id}-d" if self.disaggregated else request_id, prompt_token_ids, sampling, kv_params)
+        req = EngineRequest(
+            f"{request_id}-d" if self.disaggregated else request_id, prompt_token_ids, sampling, kv_params, self.stream_batch_s
+        )
         picker.acquire(engine)
         trace.t_decode_sent = time.perf_counter()
         try:

@@ -87,7 +87,7 @@ class OpenAIIngress:
         # stall every other request's stream on the event loop; one thread, like vLLM's server,
         # because a Hugging Face tokenizer is not safe to call from two threads at once.
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
-        self.router = Router(args.engines, self.cfg.routing.policy)
+        self.router = Router(args.engines, self.cfg.routing.policy, self.cfg.serve.stream_batch_ms / 1000)
         self.metrics = TandemMetrics(self.cfg.serve.app_name)
 
     # ---- endpoints -------------------------------------------------------------------

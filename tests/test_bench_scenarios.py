@@ -21,6 +21,7 @@ from benchmarks.phases import (
     Overhead,
     PathFigures,
     engine_queue,
+    engine_tpot_ms,
     kv_rate_gib_s,
     router_phase,
     router_phases_from_metrics,
@@ -218,6 +219,27 @@ def test_vllm_comparison_names_the_engine_side_when_the_direct_path_differs_too(
     table = vllm_comparison([tandem, plain])
     assert "| 1 | TTFT | 10.0 | 30.0 | +20.0 | 20.0 | +10.0 | +10.0 | +200%: HTTP path +10.0 ms, engine side +100% |" in table
     assert "| 2 | TTFT | 10.0 | 30.0 | +20.0 | — | — | — | +200% (no direct run at this rate) |" in table
+
+
+def test_engine_tpot_is_the_mean_per_request_tpot_whichever_server_reported_it() -> None:
+    # Tandem: 3 decoded requests with TPOTs summing to 30 ms; vLLM: 4 requests summing to 24 ms.
+    assert engine_tpot_ms({"tandem_engine_tpot_seconds_total": 0.030, "tandem_engine_decoded_requests_total": 3}) == pytest.approx(10.0)
+    assert engine_tpot_ms({"vllm:request_time_per_output_token_seconds_sum": 0.024, "vllm:request_time_per_output_token_seconds_count": 4}) == pytest.approx(6.0)
+    assert engine_tpot_ms({KV_BYTES: 1.0}) is None
+
+
+def test_vllm_comparison_adds_the_engines_own_tpot_when_both_servers_report_it() -> None:
+    overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(12.0, 12.0, 2.0, 32.0, {}))
+    tandem_engine = {"tandem_engine_tpot_seconds_total": 0.0066, "tandem_engine_decoded_requests_total": 3}
+    tandem = ScenarioReport(
+        parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.0021, tandem_engine)],
+        direct=[_run("colocated:1 direct", 1.0, 0.012, 0.002, {"tandem_engine_tpot_seconds_total": 0.0063, "tandem_engine_decoded_requests_total": 3})],
+        overhead=[overhead],
+    )
+    plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.0020, {
+        "vllm:request_time_per_output_token_seconds_sum": 0.006, "vllm:request_time_per_output_token_seconds_count": 3})])
+    # Engine TPOT: vLLM 2.0 ms, Tandem 2.2 ms over HTTP (+10%), 2.1 ms on the direct run.
+    assert "| 1 | engine TPOT (mean; vLLM's engine-core timing, no relay) | 2.0 | 2.2 | +0.2 | 2.1 | | | +10% in the engine itself |" in vllm_comparison([tandem, plain])
 
 
 def test_the_overhead_table_has_a_row_per_rate_and_splits_each_by_phase() -> None:

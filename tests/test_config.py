@@ -56,6 +56,13 @@ def test_wrong_type_names_the_field() -> None:
         parse_config({"serve": {"port": "eighty"}})
 
 
+def test_stream_batching_is_off_at_0_and_bounded() -> None:
+    assert parse_config({"serve": {"stream_batch_ms": 0}}).serve.stream_batch_ms == 0
+    for bad in (-1, 5000):
+        with pytest.raises(ConfigError, match=r"`serve\.stream_batch_ms`"):
+            parse_config({"serve": {"stream_batch_ms": bad}})
+
+
 def test_half_a_disaggregated_deployment_rejected() -> None:
     with pytest.raises(ConfigError, match="add a `decode` section"):
         parse_config({"prefill": {"replicas": 1}})

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
-from orchestrator.router import EngineRef, stream_engine
+from orchestrator.router import EngineRef, RequestTrace, Router, stream_engine
 
 REQ = EngineRequest("r-1", [1, 2, 3], SamplingOptions(max_tokens=2))
 CHUNKS = [EngineChunk("a", [5]), EngineChunk("b", [6], finished=True, finish_reason="length")]
@@ -64,3 +64,32 @@ def test_a_consumer_leaving_before_the_finished_chunk_aborts_the_request() -> No
 
     asyncio.run(leave_after_one())
     assert handle.aborted == ["r-1"]
+
+
+class RecordingEngine:
+    """An actor handle that records each request and answers with one finished chunk (a
+    prefill's carries kv_transfer_params, as vLLM's does)."""
+
+    def __init__(self) -> None:
+        self.requests: list[EngineRequest] = []
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda request_id: _done(None))
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+        self.requests.append(req)
+        params = {"remote_engine_id": "p"} if req.kv_transfer_params == {"do_remote_decode": True} else None
+        yield _done(EngineChunk("x", [7], finished=True, finish_reason="length", kv_transfer_params=params))
+
+
+def test_only_the_streaming_request_may_batch_tokens() -> None:
+    prefill, decode = RecordingEngine(), RecordingEngine()
+    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], "round_robin", stream_batch_s=0.02)
+
+    async def run() -> list[EngineChunk]:
+        return [c async for c in router.generate("r-2", [1, 2, 3], SamplingOptions(max_tokens=4), RequestTrace())]
+
+    assert [c.token_ids for c in asyncio.run(run())] == [[7]]
+    (p,), (d,) = prefill.requests, decode.requests
+    # The prefill answers with a single token: holding it back would only delay the decode.
+    assert p.stream_batch_s == 0.0 and p.sampling.max_tokens == 1
+    assert d.stream_batch_s == 0.02 and d.kv_transfer_params == {"remote_engine_id": "p"}

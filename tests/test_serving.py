@@ -259,10 +259,34 @@ def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef
     assert ray.get(reference.handle.get_stats.remote()).num_requests_aborted == before + 1
 
 
+def test_streamed_tokens_may_leave_in_batches_but_unchanged(reference: EngineRef) -> None:
+    """With stream_batch_s the engine holds decoded tokens back and sends several per chunk."""
+    prompt, n, batch_s = random_prompt(random.Random(5), 40), 64, 0.2
+
+    async def run() -> tuple[list[list[int]], float]:
+        req = EngineRequest(f"batched-{random.random()}", prompt, SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True), stream_batch_s=batch_s)
+        t0 = time.perf_counter()
+        chunks = [c.token_ids async for c in stream_engine(reference, req)]
+        return chunks, time.perf_counter() - t0
+
+    chunks, elapsed = asyncio.run(run())
+    assert [t for c in chunks for t in c] == reference_tokens(reference, prompt, n)
+    assert len(chunks[0]) == 1, "the first token must not wait for a batch"
+    # Each chunk after the first leaves at least batch_s after the one before it.
+    assert len(chunks) <= 2 + elapsed / batch_s, f"{len(chunks)} chunks in {elapsed:.2f} s"
+    assert max(len(c) for c in chunks) > 1
+
+
 def test_metrics_page_is_prometheus_text(pd: Running, client: openai.OpenAI) -> None:
+    before = metrics(pd)
     client.completions.create(model=MODEL, prompt="counted", max_tokens=2, temperature=0)
+    client.completions.create(model=MODEL, prompt="decoded", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     httpx.post(f"{pd.url}/completions", json={"model": MODEL}, timeout=60)
     m = metrics(pd)
+    # vLLM's own decode timing, from the decode engine; the prefill engine makes one token a request.
+    assert metric(m, "tandem_engine_decoded_requests_total", pool="decode") - metric(before, "tandem_engine_decoded_requests_total", pool="decode") == 2
+    assert metric(m, "tandem_engine_tpot_seconds_total", pool="decode") > metric(before, "tandem_engine_tpot_seconds_total", pool="decode")
+    assert metric(m, "tandem_engine_decoded_requests_total", pool="prefill") == 0
     assert metric(m, "tandem_requests_total", status="200") > 0
     assert metric(m, "tandem_requests_total", status="400") > 0
     assert metric(m, "tandem_time_to_first_token_seconds_count") > 0
