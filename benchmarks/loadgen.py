@@ -15,7 +15,7 @@ import platform
 import re
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any, Literal
@@ -181,6 +181,23 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {name: value - before.get(name, 0.0) for name, value in after.items()}
 
 
+async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a server-sent event stream, lines split at LF (or CRLF) only.
+
+    httpx's `aiter_lines` also splits at U+2028, U+0085 and the other Unicode line breaks,
+    which JSON may carry unescaped (servers that write UTF-8 do, vLLM's and Tandem's among
+    them): a token like that cut a chunk in two and failed the request on the client side.
+    """
+    pending = b""
+    async for part in response.aiter_bytes():
+        *lines, pending = (pending + part).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[len(b"data:") :].strip()
+    if pending.startswith(b"data:"):
+        yield pending[len(b"data:") :].strip()
+
+
 async def _stream_one(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int, run_start: float
 ) -> RequestResult:
@@ -195,11 +212,8 @@ async def _stream_one(
                 text = (await response.aread()).decode(errors="replace")
                 error = f"HTTP {response.status_code}: {text[:300]}"
             else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                async for data in sse_data(response):
+                    if data == b"[DONE]":
                         break
                     chunk = _decode_chunk(data)
                     if chunk.error_text is not None:

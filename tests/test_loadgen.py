@@ -48,6 +48,11 @@ class FakeServer:
         self.bodies.append(body)
         if body["prompt"] == "FAIL":
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+        if body["prompt"] == "LINE_BREAKS":
+            # Unicode line breaks JSON leaves unescaped, as UTF-8 servers (vLLM, Tandem) send them.
+            chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("a\u2028b", "c\x85d", "e\u2029")]
+            events = [f"data: {json.dumps(c, ensure_ascii=False)}\r\n\r\n" for c in chunks] + ["data: [DONE]\r\n\r\n"]
+            return StreamingResponse(iter(events), media_type="text/event-stream")
         if body["prompt"] == "OLD_BREAK":
             chunk = {"object": "error", "message": "old-style failure"}
             return StreamingResponse(iter([f"data: {json.dumps(chunk)}\n\n"]))
@@ -205,6 +210,13 @@ def test_an_error_chunk_mid_stream_is_a_failure(server) -> None:
     _, url = server
     (r,) = _run(url, [BenchRequest("BREAK", 5)]).requests
     assert not r.ok and "engine died" in r.error
+
+
+def test_events_split_at_lf_only_not_at_unicode_line_breaks_inside_json(server) -> None:
+    _, url = server
+    (r,) = _run(url, [BenchRequest("LINE_BREAKS", 3)]).requests
+    assert r.ok, r.error
+    assert len(r.token_times) == 3
 
 
 def test_an_old_style_error_chunk_is_a_failure(server) -> None:
