@@ -161,6 +161,7 @@ class EngineActor:
             side_channel=side,
             cores=self.spec.cores,
             cpu_binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            niceness=os.getpriority(os.PRIO_PROCESS, 0),
         )
         logger.info("engine %s (%s) ready: %s", self.spec.engine_id, self.spec.role, self._info)
         return self._info

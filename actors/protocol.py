@@ -77,6 +77,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # OpenMP compute threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
     cores: list[int] | None
     cpu_binding: str | None
+    # The engine processes' scheduling niceness (Ray's workers default to 15).
+    niceness: int = 0
 
 
 class TransferStats(msgspec.Struct):

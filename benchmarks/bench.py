@@ -43,6 +43,7 @@ from benchmarks.phases import (
 from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, deployed, free_ports, parse_scenarios, scenario_config
 from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
+from orchestrator.cluster import start_embedded_ray
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
 from orchestrator.router import RequestTrace, Router
@@ -170,8 +171,7 @@ def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | Non
         ray.init(address=address, log_to_driver=False)
     else:
         need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
-        # address="local": a new instance even when another user left a cluster running on this host.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need) + 1), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1), log_to_driver=False)
     try:
         yield
     finally:

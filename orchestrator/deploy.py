@@ -22,6 +22,7 @@ from actors.engine import EngineActor, EngineSpec
 from actors.kv_index import KVIndexActor
 from actors.kv_store import KVStoreActor, TierSettings, index_actor_name, store_actor_name
 from actors.protocol import EngineInfo, Role, SamplingOptions
+from orchestrator.cluster import WORKER_NICENESS
 from orchestrator.config import TandemConfig
 from orchestrator.models import hub_env
 from orchestrator.placement import EngineSlot, assign_slots
@@ -176,6 +177,13 @@ class Deployment:
             )
         self.infos = self._wait_for_engines(handles, timeout_s)
         logger.info("%d engines up in %.1f s", len(self.engines), time.perf_counter() - t0)
+        if lowered := [i.engine_id for i in self.infos if i.niceness > WORKER_NICENESS]:
+            logger.warning(
+                "engines %s run at niceness %d (Ray's default for worker processes), so any busy process on "
+                "their hosts takes CPU time from their schedulers and forward passes. Start the cluster with "
+                "RAY_worker_niceness=%d in the environment of `ray start`, as Tandem's embedded Ray does",
+                lowered, max(i.niceness for i in self.infos), WORKER_NICENESS,
+            )
         if cfg.disaggregated and cfg.kv_transfer.prewarm_handshakes:
             asyncio.run(self.prewarm())
 

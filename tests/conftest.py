@@ -36,9 +36,11 @@ def ray_local() -> Iterator[None]:
     """An embedded single-node Ray bound to loopback, for one test module."""
     import ray
 
-    # address="local": always a fresh instance; with no address, ray.init joins any Ray
-    # already running on this machine (another user's `ray start`, another test run).
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    from orchestrator.cluster import start_embedded_ray
+
+    # The same embedded Ray `tandem serve` starts: a fresh instance, never a Ray already
+    # running on this machine (another user's `ray start`, another test run).
+    start_embedded_ray(8, log_to_driver=False)
     try:
         yield
     finally:

@@ -25,6 +25,7 @@ from connectors.nixl import (
     agent_config_kwargs,
     settings_from_extra_config,
 )
+from orchestrator.cluster import WORKER_NICENESS
 from orchestrator.config import ConfigError, NixlConfig, parse_config
 from benchmarks.scenarios import vllm_server_env
 from orchestrator.deploy import engine_env, kv_transfer_for
@@ -250,7 +251,8 @@ def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, t
     been made and a real KV block has moved over NIXL, before any user request. Every
     thread of every engine process (actor, vLLM engine core, worker) runs on its engine's
     cores only: vLLM's NIXL worker moves its compute thread to the host's last core, which
-    is another engine's, and TandemNixlConnector moves it back.
+    is another engine's, and TandemNixlConnector moves it back. Every thread also runs at
+    Tandem's worker niceness, not Ray's default 15 (orchestrator/cluster.py says why).
 
     The idle-CPU target (< 0.1 core for an idle 1P1D) is a performance figure, so it lives in
     `benchmarks/idle_cpu.py` (see docs/performance.md), not in a test.
@@ -274,13 +276,15 @@ def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, t
     cores = {eid: set(info.cores or []) for eid, info in infos.items()}
     assert cores["prefill-0"] and cores["decode-0"] and cores["prefill-0"].isdisjoint(cores["decode-0"])
     for eid, info in infos.items():
-        assert len({name for name, _ in threads[eid]}) >= 3, "actor, engine core and worker"
-        for name, affinity in threads[eid]:
+        assert len({name for name, _, _ in threads[eid]}) >= 3, "actor, engine core and worker"
+        assert info.niceness == WORKER_NICENESS, "the embedded Ray starts its workers at Tandem's niceness"
+        for name, affinity, nice in threads[eid]:
             assert affinity <= cores[eid], f"{eid}: a thread of {name} runs on cores {affinity}"
+            assert nice == WORKER_NICENESS, f"{eid}: a thread of {name} runs at niceness {nice}"
 
 
-def engine_threads(pid: int) -> list[tuple[str, set[int]]]:
-    """(process name, allowed cores) of every thread of `pid` and its descendants."""
+def engine_threads(pid: int) -> list[tuple[str, set[int], int]]:
+    """(process name, allowed cores, niceness) of every thread of `pid` and its descendants."""
     import psutil
 
     root = psutil.Process(pid)
@@ -292,7 +296,7 @@ def engine_threads(pid: int) -> list[tuple[str, set[int]]]:
             continue
         for thread in threads:
             try:
-                found.append((name, os.sched_getaffinity(thread.id)))
+                found.append((name, os.sched_getaffinity(thread.id), os.getpriority(os.PRIO_PROCESS, thread.id)))
             except ProcessLookupError:  # the thread ended meanwhile
                 pass
     return found
