@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -99,6 +100,20 @@ def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
     return env
 
 
+def niceness_warning(infos: Sequence[EngineInfo]) -> str | None:
+    """What to tell the operator when engines run at a lower priority than Tandem's embedded
+    Ray gives them (orchestrator/cluster.py); None when none does."""
+    lowered = [i for i in infos if i.niceness > WORKER_NICENESS]
+    if not lowered:
+        return None
+    return (
+        f"engines {[i.engine_id for i in lowered]} run at niceness {max(i.niceness for i in lowered)} "
+        "(Ray's default for worker processes is 15), so any busy process on their hosts takes CPU time from "
+        f"their schedulers and forward passes. Start the cluster with RAY_worker_niceness={WORKER_NICENESS} "
+        "in the environment of `ray start`, as Tandem's embedded Ray does"
+    )
+
+
 class Deployment:
     """The engine pools of one config on a Ray cluster (Ray must already be initialised)."""
 
@@ -177,13 +192,8 @@ class Deployment:
             )
         self.infos = self._wait_for_engines(handles, timeout_s)
         logger.info("%d engines up in %.1f s", len(self.engines), time.perf_counter() - t0)
-        if lowered := [i.engine_id for i in self.infos if i.niceness > WORKER_NICENESS]:
-            logger.warning(
-                "engines %s run at niceness %d (Ray's default for worker processes), so any busy process on "
-                "their hosts takes CPU time from their schedulers and forward passes. Start the cluster with "
-                "RAY_worker_niceness=%d in the environment of `ray start`, as Tandem's embedded Ray does",
-                lowered, max(i.niceness for i in self.infos), WORKER_NICENESS,
-            )
+        if warning := niceness_warning(self.infos):
+            logger.warning(warning)
         if cfg.disaggregated and cfg.kv_transfer.prewarm_handshakes:
             asyncio.run(self.prewarm())
 

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from actors.engine import _observe_connector_stats
-from actors.protocol import EngineStats
+from actors.protocol import EngineInfo, EngineStats
 from connectors.nixl import (
     EXTRA_CONFIG_KEY,
     TandemNixlStats,
@@ -28,7 +28,7 @@ from connectors.nixl import (
 from orchestrator.cluster import WORKER_NICENESS
 from orchestrator.config import ConfigError, NixlConfig, parse_config
 from benchmarks.scenarios import vllm_server_env
-from orchestrator.deploy import engine_env, kv_transfer_for
+from orchestrator.deploy import engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics
 from orchestrator.placement import EngineSlot, engine_cores, omp_binding, split_cores
 
@@ -240,6 +240,17 @@ def test_metrics_page_shows_the_slow_transfer_count() -> None:
     stats.transfers.num_slow = 3
     page = TandemMetrics("t").render([stats], {}).decode()
     assert 'tandem_kv_transfer_slow_total{app="t",engine="decode-0",pool="decode"} 3.0' in page
+
+
+def _info(engine_id: str, niceness: int) -> EngineInfo:
+    return EngineInfo(engine_id, "decode", "node", "10.0.0.1", 1, 1024, 128, None, None, None, niceness)
+
+
+def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:
+    assert niceness_warning([_info("prefill-0", 0), _info("decode-0", 0)]) is None
+    warning = niceness_warning([_info("prefill-0", 15), _info("decode-0", 0)])
+    assert warning is not None
+    assert "['prefill-0']" in warning and "niceness 15" in warning and "RAY_worker_niceness=0" in warning
 
 
 # --- real engines ----------------------------------------------------------------------
