@@ -27,12 +27,11 @@ from benchmarks.direct import run_direct
 from benchmarks.loadgen import RunResult, run_sweep, scrape_metrics
 from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
 from benchmarks.phases import (
-    ENGINE_TPOT_COUNTS,
-    ENGINE_TPOT_SUMS,
     KV_BYTES,
     KV_MAX,
     KV_SECONDS,
     KV_TRANSFERS,
+    VLLM_SERVER_METRICS,
     Overhead,
     PathFigures,
     metric_names,
@@ -202,8 +201,8 @@ def _sweep(setup: _Setup, base_url: str, model: str, label: str, names: list[str
 def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[ScenarioReport, KVGeometry | None]:
     """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines."""
     o = setup.opts
-    # A vLLM server exposes its own engine TPOT under vllm: names; only those match there.
-    names = metric_names() if scenario.is_tandem else [*ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
+    # A vLLM server exposes its engine-core timings under vllm: names; only those match there.
+    names = metric_names() if scenario.is_tandem else list(VLLM_SERVER_METRICS)
     with deployed(scenario, setup.base, setup.port, log_dir) as target:
         logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
         runs = _sweep(setup, target.base_url, target.model, scenario.name, names)

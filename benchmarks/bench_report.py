@@ -14,7 +14,7 @@ import msgspec
 
 from benchmarks.bench import BenchReport, ScenarioReport
 from benchmarks.nixl_micro import markdown as micro_markdown
-from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_SLOW, KV_TRANSFERS, PER_REQUEST_METRICS, engine_tpot_ms
+from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_SLOW, KV_TRANSFERS, PER_REQUEST_METRICS, engine_first_token_ms, engine_tpot_ms
 from benchmarks.loadgen import RunResult
 from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, save_json
 
@@ -99,9 +99,9 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
 
     Where the direct-to-engine runs were made (every rate, unless --no-overhead), the difference
     is split into what Tandem's HTTP path adds (HTTP minus direct) and what is left on the engine side
-    (direct minus vLLM), so a gap beyond 20% comes with its measured cause. A last row per rate
-    compares vLLM's own TPOT, timed by the engine core, in both servers: what is left there is
-    the engine decoding slower, not the relay of its tokens.
+    (direct minus vLLM), so a gap beyond 20% comes with its measured cause. Two last rows per
+    rate compare vLLM's own time to first token and TPOT, timed by the engine core, in both
+    servers: what is left there is the engine itself computing slower, not the path to it.
     """
     by_name = {s.scenario.name: s for s in scenarios}
     tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
@@ -133,12 +133,17 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
                 f"| {t.config.rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
                 f"{_signed_ms(http_part)} | {_signed_ms(engine_part)} | {verdict} |"
             )
-        a, b = engine_tpot_ms(v.summary.server_metrics), engine_tpot_ms(t.summary.server_metrics)
-        if a is not None and b is not None:
-            d = next((r for r in tandem.direct if r.config.rate == t.config.rate), None)
-            direct = engine_tpot_ms(d.summary.server_metrics) if d is not None else None
+        d = next((r for r in tandem.direct if r.config.rate == t.config.rate), None)
+        for label, engine_ms in (
+            ("engine time to first token (mean; vLLM's engine-core timing: queue + prefill)", engine_first_token_ms),
+            ("engine TPOT (mean; vLLM's engine-core timing, no relay)", engine_tpot_ms),
+        ):
+            a, b = engine_ms(v.summary.server_metrics), engine_ms(t.summary.server_metrics)
+            if a is None or b is None:
+                continue
+            direct = engine_ms(d.summary.server_metrics) if d is not None else None
             lines.append(
-                f"| {t.config.rate:g} | engine TPOT (mean; vLLM's engine-core timing, no relay) | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
+                f"| {t.config.rate:g} | {label} | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
                 f"{_ms(direct)} | | | {100 * (b - a) / a:+.0f}% in the engine itself |"
             )
     return "\n".join(lines) + "\n"

@@ -36,6 +36,15 @@ EXTERNAL_TOKENS = 'tandem_prompt_tokens_total{source="external_kv_transfer"}'
 # as Tandem's engines and a plain vLLM server expose it; a server has one pair or the other.
 ENGINE_TPOT_SUMS = ("tandem_engine_tpot_seconds_total", "vllm:request_time_per_output_token_seconds_sum")
 ENGINE_TPOT_COUNTS = ("tandem_engine_decoded_requests_total", "vllm:request_time_per_output_token_seconds_count")
+# vLLM's own queue + prefill time per request (engine-core timestamps: arrival at the engine
+# core to its first token), of a colocated engine or a plain vLLM server; one count per server.
+ENGINE_FIRST_TOKEN_SUMS = (
+    'tandem_engine_phase_seconds_total{phase="queue",pool="both"}', 'tandem_engine_phase_seconds_total{phase="prefill",pool="both"}',
+    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+)
+ENGINE_FIRST_TOKEN_COUNTS = ('tandem_engine_timed_requests_total{pool="both"}', "vllm:request_prefill_time_seconds_count")
+# What a plain vLLM server is scraped for (it has none of Tandem's samples).
+VLLM_SERVER_METRICS = (*ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS, *ENGINE_FIRST_TOKEN_SUMS, *ENGINE_FIRST_TOKEN_COUNTS)
 TTFT_SUM = "tandem_time_to_first_token_seconds_sum"
 TTFT_COUNT = "tandem_time_to_first_token_seconds_count"
 
@@ -57,9 +66,10 @@ def engine_queue(pool: str) -> tuple[str, str]:
 def metric_names() -> list[str]:
     """Every /metrics sample a Tandem run scrapes before and after."""
     names = [*HEADLINE_METRICS, KV_SLOW, TTFT_SUM, TTFT_COUNT, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
+    names += [n for n in (*ENGINE_FIRST_TOKEN_SUMS, *ENGINE_FIRST_TOKEN_COUNTS) if n.startswith("tandem_")]
     names += [router_phase(p, s) for p in ROUTER_PHASES for s in ("sum", "count")]
     names += [n for pool in ("prefill", "both") for n in engine_queue(pool)]
-    return names
+    return list(dict.fromkeys(names))
 
 
 def _mean(total: float | None, count: float | None) -> float | None:
@@ -72,7 +82,18 @@ def engine_tpot_ms(deltas: Mapping[str, float]) -> float | None:
     A plain vLLM server counts one-token requests as 0 in its histogram; the benchmark's
     requests all decode many tokens, so that does not arise here.
     """
-    mean = _mean(sum(deltas.get(n, 0.0) for n in ENGINE_TPOT_SUMS), sum(deltas.get(n, 0.0) for n in ENGINE_TPOT_COUNTS))
+    return _engine_mean_ms(deltas, ENGINE_TPOT_SUMS, ENGINE_TPOT_COUNTS)
+
+
+def engine_first_token_ms(deltas: Mapping[str, float]) -> float | None:
+    """Mean time from a request reaching the engine core to its first token (queue + prefill),
+    as the engine core timed it, ms; None if the server does not expose it. Client TTFT minus
+    this is what everything outside vLLM's engine core (HTTP, front end, relay) added."""
+    return _engine_mean_ms(deltas, ENGINE_FIRST_TOKEN_SUMS, ENGINE_FIRST_TOKEN_COUNTS)
+
+
+def _engine_mean_ms(deltas: Mapping[str, float], sums: Sequence[str], counts: Sequence[str]) -> float | None:
+    mean = _mean(sum(deltas.get(n, 0.0) for n in sums), sum(deltas.get(n, 0.0) for n in counts))
     return None if mean is None else 1000 * mean
 
 

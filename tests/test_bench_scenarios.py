@@ -13,15 +13,20 @@ from benchmarks.bench_report import overhead_table, phase_table, transfer_table,
 from benchmarks.loadgen import RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
 from benchmarks.phases import (
+    ENGINE_FIRST_TOKEN_COUNTS,
+    ENGINE_FIRST_TOKEN_SUMS,
     KV_BYTES,
     KV_SECONDS,
     KV_SLOW,
     KV_TRANSFERS,
     TTFT_COUNT,
+    VLLM_SERVER_METRICS,
     Overhead,
     PathFigures,
+    engine_first_token_ms,
     engine_queue,
     engine_tpot_ms,
+    metric_names,
     kv_rate_gib_s,
     router_phase,
     router_phases_from_metrics,
@@ -228,6 +233,29 @@ def test_engine_tpot_is_the_mean_per_request_tpot_whichever_server_reported_it()
     assert engine_tpot_ms({KV_BYTES: 1.0}) is None
 
 
+def test_engine_first_token_is_queue_plus_prefill_per_request_whichever_server_reported_it() -> None:
+    # Tandem: 4 colocated requests, 8 ms queued and 200 ms prefilling in all: 52 ms each. The
+    # prefill pool's samples of a disaggregated run are not the colocated engine's and are ignored.
+    tandem = {
+        'tandem_engine_phase_seconds_total{phase="queue",pool="both"}': 0.008,
+        'tandem_engine_phase_seconds_total{phase="prefill",pool="both"}': 0.200,
+        'tandem_engine_timed_requests_total{pool="both"}': 4,
+        'tandem_engine_phase_seconds_total{phase="prefill",pool="prefill"}': 9.0,
+    }
+    assert engine_first_token_ms(tandem) == pytest.approx(52.0)
+    # vLLM: 5 requests, 5 ms queued and 195 ms prefilling in all: 40 ms each.
+    plain = {"vllm:request_queue_time_seconds_sum": 0.005, "vllm:request_prefill_time_seconds_sum": 0.195, "vllm:request_prefill_time_seconds_count": 5}
+    assert engine_first_token_ms(plain) == pytest.approx(40.0)
+    assert engine_first_token_ms({KV_BYTES: 1.0}) is None
+
+
+def test_a_vllm_server_is_scraped_for_its_engine_timings_and_tandem_for_its_own() -> None:
+    assert {"vllm:request_prefill_time_seconds_sum", "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_count"} <= set(VLLM_SERVER_METRICS)
+    names = metric_names()
+    assert len(names) == len(set(names))
+    assert {n for n in (*ENGINE_FIRST_TOKEN_SUMS, *ENGINE_FIRST_TOKEN_COUNTS) if n.startswith("tandem_")} <= set(names)
+
+
 def test_vllm_comparison_adds_the_engines_own_tpot_when_both_servers_report_it() -> None:
     overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(12.0, 12.0, 2.0, 32.0, {}))
     tandem_engine = {"tandem_engine_tpot_seconds_total": 0.0066, "tandem_engine_decoded_requests_total": 3}
@@ -239,7 +267,26 @@ def test_vllm_comparison_adds_the_engines_own_tpot_when_both_servers_report_it()
     plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.0020, {
         "vllm:request_time_per_output_token_seconds_sum": 0.006, "vllm:request_time_per_output_token_seconds_count": 3})])
     # Engine TPOT: vLLM 2.0 ms, Tandem 2.2 ms over HTTP (+10%), 2.1 ms on the direct run.
-    assert "| 1 | engine TPOT (mean; vLLM's engine-core timing, no relay) | 2.0 | 2.2 | +0.2 | 2.1 | | | +10% in the engine itself |" in vllm_comparison([tandem, plain])
+    table = vllm_comparison([tandem, plain])
+    assert "| 1 | engine TPOT (mean; vLLM's engine-core timing, no relay) | 2.0 | 2.2 | +0.2 | 2.1 | | | +10% in the engine itself |" in table
+    # Neither server reported queue and prefill times here: no first-token row.
+    assert "engine time to first token" not in table
+
+
+def test_vllm_comparison_adds_the_engines_own_time_to_first_token_before_its_tpot() -> None:
+    overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(12.0, 12.0, 2.0, 32.0, {}))
+    q, p, n = 'tandem_engine_phase_seconds_total{phase="queue",pool="both"}', 'tandem_engine_phase_seconds_total{phase="prefill",pool="both"}', 'tandem_engine_timed_requests_total{pool="both"}'
+    tandem = ScenarioReport(
+        parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.002, {q: 0.001, p: 0.029, n: 2})],  # 15 ms each
+        direct=[_run("colocated:1 direct", 1.0, 0.012, 0.002, {q: 0.0, p: 0.026, n: 2})],  # 13 ms
+        overhead=[overhead],
+    )
+    plain = ScenarioReport(parse_scenario("vllm-server"), 30.0, [_run("vllm-server", 1.0, 0.010, 0.002, {
+        "vllm:request_queue_time_seconds_sum": 0.0, "vllm:request_prefill_time_seconds_sum": 0.024, "vllm:request_prefill_time_seconds_count": 2})])  # 12 ms
+    table = vllm_comparison([tandem, plain])
+    row = "| 1 | engine time to first token (mean; vLLM's engine-core timing: queue + prefill) | 12.0 | 15.0 | +3.0 | 13.0 | | | +25% in the engine itself |"
+    assert row in table
+    assert table.index("| 1 | TTFT |") < table.index(row)
 
 
 def test_the_overhead_table_has_a_row_per_rate_and_splits_each_by_phase() -> None:
