@@ -111,7 +111,7 @@ async def run_direct(
     with tqdm(total=len(requests), desc=label, unit="req") as bar:
         sender = DirectSender(router, tokenizer, config, bar)
         before = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
-        results, elapsed = await _measure(sender, requests, schedule, duration_s)  # type: ignore[arg-type]
+        results, elapsed, host_cpu = await _measure(sender, requests, schedule, duration_s)  # type: ignore[arg-type]
         after = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
-    return RunResult(config=config, environment=env, summary=summary, requests=results), sender.traces
+    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu), sender.traces

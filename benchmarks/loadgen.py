@@ -64,6 +64,17 @@ class Environment(msgspec.Struct, frozen=True):
     started_at: str  # ISO 8601, UTC
 
 
+class HostCpu(msgspec.Struct, frozen=True):
+    """How busy the load generator's host was while the requests were measured (/proc/stat).
+
+    `steal` is CPU time the hypervisor gave to other guests: on a shared VM it slows every
+    process here alike, and it tells a slow period of the host from a slow server.
+    """
+
+    busy: float  # fraction of all CPU time not idle (steal included)
+    steal: float  # fraction of all CPU time stolen by the hypervisor
+
+
 class RunResult(msgspec.Struct, frozen=True):
     """Everything one run produced: its config, environment, figures and raw requests."""
 
@@ -71,6 +82,7 @@ class RunResult(msgspec.Struct, frozen=True):
     environment: Environment
     summary: RunSummary
     requests: list[RequestResult]  # measured requests only, in sending order
+    host_cpu: HostCpu | None = None  # None where /proc/stat is not there (not Linux)
 
 
 class _Usage(msgspec.Struct):
@@ -374,10 +386,32 @@ async def run_load(
             await _warm_up(sender, requests[:warmup])
             bar.reset()
             before = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
-            results, elapsed = await _measure(sender, measured, schedule, duration_s)
+            results, elapsed, host_cpu = await _measure(sender, measured, schedule, duration_s)
             after = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
-    return RunResult(config=config, environment=env, summary=summary, requests=results)
+    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu)
+
+
+def cpu_times(path: str = "/proc/stat") -> list[int] | None:
+    """This host's CPU time so far, in ticks: user, nice, system, idle, iowait, irq, softirq,
+    steal (the aggregate line of /proc/stat); None where there is no such file."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in fields[1:9]] if fields[:1] == ["cpu"] else None
+
+
+def host_cpu_between(before: Sequence[int] | None, after: Sequence[int] | None) -> HostCpu | None:
+    """The host's busy and stolen share of all CPU time between two `cpu_times` readings."""
+    if before is None or after is None:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    total = sum(d)
+    if total <= 0:
+        return None
+    return HostCpu(busy=(total - d[3] - d[4]) / total, steal=d[7] / total)
 
 
 async def _measure(
@@ -385,8 +419,10 @@ async def _measure(
     requests: Sequence[BenchRequest],
     schedule: Sequence[float],
     duration_s: float | None,
-) -> tuple[list[RequestResult], float]:
-    """Send on schedule; returns the results and seconds from the first send to the last end."""
+) -> tuple[list[RequestResult], float, HostCpu | None]:
+    """Send on schedule; returns the results, seconds from the first send to the last end, and
+    how busy this host was meanwhile."""
+    cpu_before = cpu_times()
     start = time.perf_counter()
     tasks: list[asyncio.Task[RequestResult]] = []
     for index, (request, offset) in enumerate(zip(requests, schedule)):
@@ -400,7 +436,7 @@ async def _measure(
         tasks.append(asyncio.create_task(sender.send(request, index, start)))
     results = list(await asyncio.gather(*tasks))
     end = max((r.start + r.latency for r in results), default=0.0)
-    return results, end
+    return results, end, host_cpu_between(cpu_before, cpu_times())
 
 
 async def run_sweep(

@@ -61,7 +61,9 @@ def _pair(p: Percentiles) -> str:
 
 
 def markdown_table(results: Sequence[RunResult], per_request: Collection[str] = ()) -> str:
-    """One row per run; latencies as p50 / p99 in ms.
+    """One row per run; latencies as p50 / p99 in ms; how busy the load generator's host was
+    and how much of its CPU time the hypervisor took (a slow period of a shared VM, not of the
+    server, shows there).
 
     Every server metric recorded by any run gets a column with its growth over the run, divided
     by the completed requests for names in `per_request` (bytes or seconds per request, say)
@@ -71,7 +73,7 @@ def markdown_table(results: Sequence[RunResult], per_request: Collection[str] = 
     header = [
         "Scenario", "Rate (req/s)", "Concurrency", "OK / failed", "Throughput (req/s)",
         "Output (tok/s)", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "ITL p50 / p99 (ms)",
-        "E2E p50 / p99 (ms)", "SLO attainment", "Goodput (req/s)",
+        "E2E p50 / p99 (ms)", "SLO attainment", "Goodput (req/s)", "Host CPU busy / stolen",
     ]
     header += [f"{name} / request" if name in per_request else name for name in metrics]
     rows = []
@@ -91,6 +93,7 @@ def markdown_table(results: Sequence[RunResult], per_request: Collection[str] = 
             _pair(s.e2e_ms),
             "—" if attainment is None else f"{attainment:.1f}%",
             _fmt(s.goodput, 2),
+            "—" if r.host_cpu is None else f"{100 * r.host_cpu.busy:.0f}% / {100 * r.host_cpu.steal:.1f}%",
         ]
         for name in metrics:
             value = s.server_metrics.get(name)

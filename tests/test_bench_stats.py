@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from benchmarks.stats import (
@@ -247,6 +248,17 @@ def test_markdown_table_shows_the_run_figures() -> None:
     assert cells["Goodput (req/s)"] == "0.50"
     assert cells["tandem_kv_bytes_total / request"] == "2,048"  # 4096 bytes over 2 requests
     assert cells["tandem_fallbacks_total"] == "1"
+    assert cells["Host CPU busy / stolen"] == "—"  # not measured
+
+
+def test_markdown_table_shows_how_busy_the_host_was() -> None:
+    from benchmarks.loadgen import HostCpu
+    from benchmarks.report import markdown_table
+
+    run = msgspec.structs.replace(_run("colocated:1", 1.0, _two_requests(), {}), host_cpu=HostCpu(busy=0.5, steal=0.1))
+    header, _, row = markdown_table([run]).splitlines()
+    cells = dict(zip(header.strip("| ").split(" | "), row.strip("| ").split(" | ")))
+    assert cells["Host CPU busy / stolen"] == "50% / 10.0%"
 
 
 def test_write_report_writes_json_table_and_plots(tmp_path) -> None:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from benchmarks.loadgen import RunResult, arrival_times, run_load, run_sweep, scrape_metrics
+from benchmarks.loadgen import HostCpu, RunResult, arrival_times, cpu_times, host_cpu_between, run_load, run_sweep, scrape_metrics
 from benchmarks.stats import SLO
 from benchmarks.workloads import BenchRequest, Fixed, RandomWorkload
 
@@ -235,6 +235,26 @@ def test_a_refused_connection_is_a_failure() -> None:
     result = _run(f"http://127.0.0.1:{_free_port()}", _requests(1))
     assert result.summary.num_failed == 1
     assert "ConnectError" in result.requests[0].error
+
+
+def test_host_cpu_is_the_busy_and_stolen_share_of_all_cpu_time(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    before = cpu_times(str(stat))
+    assert before == [100, 0, 50, 800, 10, 0, 0, 40]
+    # 1000 ticks later: 300 user, 100 system, 500 idle, 0 iowait, 100 steal.
+    stat.write_text("cpu  400 0 150 1300 10 0 0 140 0 0\n")
+    host = host_cpu_between(before, cpu_times(str(stat)))
+    assert host == HostCpu(busy=pytest.approx(0.5), steal=pytest.approx(0.1))
+    assert cpu_times(str(tmp_path / "missing")) is None
+    assert host_cpu_between(None, before) is None
+    assert host_cpu_between(before, before) is None  # no time passed
+
+
+def test_a_run_records_how_busy_this_host_was(server) -> None:
+    _, url = server
+    host = _run(url, _requests(2), concurrency=2).host_cpu
+    assert host is not None and 0.0 <= host.steal <= host.busy <= 1.0
 
 
 def test_constant_arrivals_are_evenly_spaced() -> None:
