@@ -8,11 +8,13 @@ runtime_env, so the engine core that vLLM spawns inherits it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import ray
@@ -27,6 +29,7 @@ from actors.protocol import (
 )
 
 logger = logging.getLogger("tandem.engine")
+T = TypeVar("T")
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
@@ -115,6 +118,57 @@ def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s
             _observe_connector_stats(stats, data.get("data", data) if "data" in data else data, slow_s)
 
 
+async def batched(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGenerator[list[T], None]:
+    """Regroup a stream so at most one group leaves per `interval_s`; the first item and the
+    end of the stream never wait. Closing the result closes `items`.
+
+    Each streamed chunk costs CPU at every hop (Ray message, ingress, Serve's proxy, SSE
+    event), which on small hosts the engine's own scheduler has to share; sending the tokens
+    of several steps at once cuts that. The reader keeps draining vLLM's output meanwhile, so
+    a request's last tokens leave as soon as they are decoded instead of at the next tick.
+    """
+    pending: list[T] = []
+    arrived = asyncio.Event()
+
+    async def read() -> None:
+        try:
+            async for item in items:
+                pending.append(item)
+                arrived.set()
+        finally:
+            arrived.set()
+
+    reader = asyncio.create_task(read()) if interval_s > 0 else None
+    try:
+        if reader is None:
+            async for item in items:
+                yield [item]
+            return
+        loop = asyncio.get_running_loop()
+        sent = -math.inf
+        while True:
+            await arrived.wait()
+            if (wait := sent + interval_s - loop.time()) > 0:
+                # Returns early when the stream ends; a timeout leaves the reader running.
+                await asyncio.wait([reader], timeout=wait)
+            group = pending[:]
+            pending.clear()
+            arrived.clear()
+            if group:
+                yield group
+                sent = loop.time()
+            if reader.done() and not pending:
+                reader.result()  # re-raise the stream's error, if any
+                return
+    finally:
+        if reader is not None and not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        # For vLLM's generator, closing it early aborts the request in the engine.
+        await items.aclose()
+
+
 @ray.remote
 class EngineActor:
     """A vLLM engine behind Ray calls: generate (streaming), abort, health, stats."""
@@ -182,32 +236,24 @@ class EngineActor:
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
         )
         finished = False
-        loop = asyncio.get_running_loop()
+        outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
         try:
-            async for out in self.llm.generate(
-                {"prompt_token_ids": req.prompt_token_ids}, params, req.request_id
-            ):
-                comp = out.outputs[0]
-                # vLLM ends an aborted request with a last output that is finished with reason
-                # "abort"; count it as aborted, as a cancelled stream is.
-                finished = out.finished and comp.finish_reason != "abort"
-                sent = loop.time()
-                yield EngineChunk(
-                    text=comp.text,
-                    token_ids=list(comp.token_ids),
-                    finished=out.finished,
-                    finish_reason=comp.finish_reason,
-                    stop_reason=comp.stop_reason,
-                    num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
-                    num_cached_tokens=out.num_cached_tokens or 0,
-                    kv_transfer_params=out.kv_transfer_params if out.finished else None,
-                )
-                if req.stream_batch_s > 0 and not out.finished:
-                    # Not reading vLLM's output while we wait lets its per-request collector
-                    # merge the next steps' deltas into one: one Ray message (and one HTTP
-                    # event downstream) for several tokens. Each hop costs CPU per message,
-                    # which on small hosts the engine's own scheduler has to share.
-                    await asyncio.sleep(sent + req.stream_batch_s - loop.time())
+            async with contextlib.aclosing(batched(outputs, req.stream_batch_s)) as batches:
+                async for batch in batches:
+                    out, comp = batch[-1], batch[-1].outputs[0]
+                    # vLLM ends an aborted request with a last output that is finished with reason
+                    # "abort"; count it as aborted, as a cancelled stream is.
+                    finished = out.finished and comp.finish_reason != "abort"
+                    yield EngineChunk(
+                        text="".join(o.outputs[0].text for o in batch),
+                        token_ids=[t for o in batch for t in o.outputs[0].token_ids],
+                        finished=out.finished,
+                        finish_reason=comp.finish_reason,
+                        stop_reason=comp.stop_reason,
+                        num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
+                        num_cached_tokens=out.num_cached_tokens or 0,
+                        kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                    )
         finally:
             if finished:
                 self.stats.num_requests_finished += 1

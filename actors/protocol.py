@@ -43,9 +43,9 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # vLLM's kv_transfer_params: {"do_remote_decode": True} for a prefill, the prefill's
     # answer for the matching decode, None for a colocated request.
     kv_transfer_params: dict[str, Any] | None = None
-    # Tokens decoded within this many seconds of the previous chunk wait and leave with the
-    # next one (vLLM merges the deltas meanwhile); the first chunk never waits. 0: a chunk
-    # per engine step.
+    # Streamed chunks leave at most once per this many seconds, each carrying every token
+    # decoded since the last (actors.engine.batched); the first token and the end of the
+    # request never wait. 0: a chunk per engine step.
     stream_batch_s: float = 0.0
 
 

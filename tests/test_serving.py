@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.protocol import EngineRequest, SamplingOptions
+from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.job import Running, running
@@ -276,6 +276,24 @@ def test_streamed_tokens_may_leave_in_batches_but_unchanged(reference: EngineRef
     assert len(chunks) <= 2 + elapsed / batch_s, f"{len(chunks)} chunks in {elapsed:.2f} s"
     assert max(len(c) for c in chunks) > 1
 
+
+
+def test_last_tokens_leave_when_decoded_not_at_the_next_batch_tick(reference: EngineRef) -> None:
+    """A batch interval far longer than the whole decode: the first token leaves at once, every
+    other token with the finish as soon as the request ends, not when the interval runs out."""
+    prompt, n, batch_s = random_prompt(random.Random(6), 20), 24, 60.0
+
+    async def run() -> tuple[list[EngineChunk], float]:
+        req = EngineRequest(f"held-{random.random()}", prompt, SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True), stream_batch_s=batch_s)
+        t0 = time.perf_counter()
+        chunks = [c async for c in stream_engine(reference, req)]
+        return chunks, time.perf_counter() - t0
+
+    chunks, elapsed = asyncio.run(run())
+    assert [len(c.token_ids) for c in chunks] == [1, n - 1]
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == reference_tokens(reference, prompt, n)
+    assert elapsed < batch_s, "the stream's end waited for the batch interval"
 
 def test_metrics_page_is_prometheus_text(pd: Running, client: openai.OpenAI) -> None:
     before = metrics(pd)
