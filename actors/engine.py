@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -118,9 +118,13 @@ def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s
             _observe_connector_stats(stats, data.get("data", data) if "data" in data else data, slow_s)
 
 
-async def batched(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGenerator[list[T], None]:
-    """Regroup a stream so at most one group leaves per `interval_s`; the first item and the
-    end of the stream never wait. Closing the result closes `items`.
+async def batched(
+    items: AsyncGenerator[T, None], interval_s: float, visible: Callable[[T], bool] = lambda _: True
+) -> AsyncGenerator[list[T], None]:
+    """Regroup a stream so at most one group leaves per `interval_s`. Items leave at once until
+    the first `visible` one has left (a first token that decodes to no text yet, such as part
+    of a UTF-8 character, shows a client nothing), and the end of the stream never waits.
+    Closing the result closes `items`.
 
     Each streamed chunk costs CPU at every hop (Ray message, ingress, Serve's proxy, SSE
     event), which on small hosts the engine's own scheduler has to share; sending the tokens
@@ -145,7 +149,7 @@ async def batched(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGen
                 yield [item]
             return
         loop = asyncio.get_running_loop()
-        sent = -math.inf
+        sent = -math.inf  # when the last group left, once something visible has
         while True:
             await arrived.wait()
             if (wait := sent + interval_s - loop.time()) > 0:
@@ -156,7 +160,8 @@ async def batched(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGen
             arrived.clear()
             if group:
                 yield group
-                sent = loop.time()
+                if sent > -math.inf or any(visible(item) for item in group):
+                    sent = loop.time()
             if reader.done() and not pending:
                 reader.result()  # re-raise the stream's error, if any
                 return
@@ -168,6 +173,11 @@ async def batched(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGen
         # For vLLM's generator, closing it early aborts the request in the engine.
         await items.aclose()
 
+
+
+def _has_text(out: Any) -> bool:
+    """Whether a vLLM RequestOutput delta shows the client anything."""
+    return bool(out.outputs[0].text)
 
 @ray.remote
 class EngineActor:
@@ -238,7 +248,7 @@ class EngineActor:
         finished = False
         outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
         try:
-            async with contextlib.aclosing(batched(outputs, req.stream_batch_s)) as batches:
+            async with contextlib.aclosing(batched(outputs, req.stream_batch_s, _has_text)) as batches:
                 async for batch in batches:
                     out, comp = batch[-1], batch[-1].outputs[0]
                     # vLLM ends an aborted request with a last output that is finished with reason

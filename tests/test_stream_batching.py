@@ -13,22 +13,23 @@ from actors.engine import batched
 
 
 class Source:
-    """An async stream of 0..n-1, `gap_s` apart, that can fail after `fail_after` items and
-    records whether it was closed before its end."""
+    """An async stream of `values` (0..n-1 by default), `gap_s` apart, that can fail after
+    `fail_after` items and records whether it was closed before its end."""
 
-    def __init__(self, n: int, gap_s: float = 0.0, fail_after: int | None = None) -> None:
-        self.n, self.gap_s, self.fail_after = n, gap_s, fail_after
+    def __init__(self, n: int, gap_s: float = 0.0, fail_after: int | None = None, values: list | None = None) -> None:
+        self.values = values if values is not None else list(range(n))
+        self.gap_s, self.fail_after = gap_s, fail_after
         self.closed_early = False
 
-    async def items(self) -> AsyncGenerator[int, None]:
+    async def items(self) -> AsyncGenerator:
         done = False
         try:
-            for i in range(self.n):
+            for i, value in enumerate(self.values):
                 if i == self.fail_after:
                     raise ValueError(f"stream failed after {i} items")
                 if i:
                     await asyncio.sleep(self.gap_s)
-                yield i
+                yield value
             done = True
         finally:
             self.closed_early = not done
@@ -66,6 +67,19 @@ def test_groups_leave_at_most_once_per_interval_and_keep_every_item_in_order() -
     # Between groups that did not end the stream, at least one interval passes.
     assert all(b - a >= interval_s * 0.99 for a, b in zip(times[:-2], times[1:-1]))
     assert max(len(g) for g in groups) > 1
+
+
+def test_items_leave_at_once_until_something_visible_has_left() -> None:
+    """A first token that decodes to no text (part of a UTF-8 character) must not hold the
+    first text back for a whole interval: the client's time to first token counts text."""
+    interval_s, texts = 60.0, ["", "", "a", "b", "", "c", "d"]
+    t0 = time.perf_counter()
+
+    async def run() -> list[list[str]]:
+        return [g async for g in batched(Source(0, gap_s=0.05, values=texts).items(), interval_s, visible=bool)]
+
+    assert asyncio.run(run()) == [[""], [""], ["a"], ["b", "", "c", "d"]]
+    assert time.perf_counter() - t0 < interval_s
 
 
 @pytest.mark.parametrize("interval_s", [0.0, 0.05])
