@@ -174,10 +174,10 @@ async def batched(
         await items.aclose()
 
 
-
 def _has_text(out: Any) -> bool:
     """Whether a vLLM RequestOutput delta shows the client anything."""
     return bool(out.outputs[0].text)
+
 
 @ray.remote
 class EngineActor:

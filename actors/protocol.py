@@ -44,7 +44,7 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # answer for the matching decode, None for a colocated request.
     kv_transfer_params: dict[str, Any] | None = None
     # Streamed chunks leave at most once per this many seconds, each carrying every token
-    # decoded since the last (actors.engine.batched); the first token and the end of the
+    # decoded since the last (actors.engine.batched); the first text and the end of the
     # request never wait. 0: a chunk per engine step.
     stream_batch_s: float = 0.0
 

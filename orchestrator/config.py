@@ -117,7 +117,7 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     port: Port = 8000
     app_name: str = "tandem"
     route_prefix: str = "/"
-    # Streamed tokens leave in chunks at most this many milliseconds apart; the first token
+    # Streamed tokens leave in chunks at most this many milliseconds apart; the first text
     # and a request's last tokens never wait. Every chunk crosses two Ray hops and the HTTP
     # proxy; at one chunk per token that relay costs more CPU than vLLM's own server spends
     # per token. 50 matches Ray Serve LLM (stream_batching_interval_ms); on a 2-core host it
