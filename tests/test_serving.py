@@ -259,17 +259,23 @@ def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef
     assert ray.get(reference.handle.get_stats.remote()).num_requests_aborted == before + 1
 
 
+def stream_batched(engine: EngineRef, prompt: list[int], n: int, batch_s: float) -> tuple[list[EngineChunk], float]:
+    """Stream `n` greedy tokens from `engine` with `stream_batch_s=batch_s`; the chunks and seconds taken."""
+
+    async def run() -> tuple[list[EngineChunk], float]:
+        sampling = SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True)
+        req = EngineRequest(f"batched-{random.random()}", prompt, sampling, stream_batch_s=batch_s)
+        t0 = time.perf_counter()
+        chunks = [c async for c in stream_engine(engine, req)]
+        return chunks, time.perf_counter() - t0
+
+    return asyncio.run(run())
+
+
 def test_streamed_tokens_may_leave_in_batches_but_unchanged(reference: EngineRef) -> None:
     """With stream_batch_s the engine holds decoded tokens back and sends several per chunk."""
     prompt, n, batch_s = random_prompt(random.Random(5), 40), 64, 0.2
-
-    async def run() -> tuple[list[EngineChunk], float]:
-        req = EngineRequest(f"batched-{random.random()}", prompt, SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True), stream_batch_s=batch_s)
-        t0 = time.perf_counter()
-        chunks = [c async for c in stream_engine(reference, req)]
-        return chunks, time.perf_counter() - t0
-
-    chunks, elapsed = asyncio.run(run())
+    chunks, elapsed = stream_batched(reference, prompt, n, batch_s)
     assert [t for c in chunks for t in c.token_ids] == reference_tokens(reference, prompt, n)
     assert len(chunks[0].token_ids) == 1, "the first token must not wait for a batch"
     # Chunks leave as they come until one shows text (the first token may be part of a
@@ -283,14 +289,7 @@ def test_last_tokens_leave_when_decoded_not_at_the_next_batch_tick(reference: En
     """A batch interval far longer than the whole decode: the first text leaves at once, every
     later token with the finish as soon as the request ends, not when the interval runs out."""
     prompt, n, batch_s = random_prompt(random.Random(6), 20), 24, 60.0
-
-    async def run() -> tuple[list[EngineChunk], float]:
-        req = EngineRequest(f"held-{random.random()}", prompt, SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True), stream_batch_s=batch_s)
-        t0 = time.perf_counter()
-        chunks = [c async for c in stream_engine(reference, req)]
-        return chunks, time.perf_counter() - t0
-
-    chunks, elapsed = asyncio.run(run())
+    chunks, elapsed = stream_batched(reference, prompt, n, batch_s)
     # Chunks leave as they come until one shows text (the first token may be part of a
     # character), then everything else in one chunk with the finish.
     shown = next(i for i, c in enumerate(chunks) if c.text)
