@@ -3,9 +3,12 @@
 Every scenario gets the same workload on the same machine: deploy, a rate sweep over Tandem's
 OpenAI endpoint (each point warmed up first), the same load straight to the engine actors
 (what the HTTP path costs, phase by phase), /metrics deltas (KV bytes, transfer time,
-fallbacks, external tokens), teardown. A NIXL microbenchmark of the model's KV block shapes
-then gives the raw bandwidth that serving's KV rate is set against. `--target-url` runs the
-same workload against any OpenAI-compatible server instead of deploying.
+fallbacks, external tokens), teardown. Each run also reads the CPU of the server's processes.
+A plain vLLM server (`vllm-server`) after Tandem's colocated:1 is run once more beside a
+ballast of the extra CPU Tandem's stack took, with the direct runs' prompts: what that CPU
+alone costs an engine. A NIXL microbenchmark of the model's KV block shapes then gives the
+raw bandwidth that serving's KV rate is set against. `--target-url` runs the same workload
+against any OpenAI-compatible server instead of deploying.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Any
 
 import msgspec
 
+from benchmarks.ballast import ballast
 from benchmarks.direct import run_direct
-from benchmarks.loadgen import RunResult, run_sweep, scrape_metrics
+from benchmarks.loadgen import RunResult, run_load, run_sweep, scrape_metrics
 from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
 from benchmarks.phases import (
     KV_BYTES,
@@ -39,7 +43,8 @@ from benchmarks.phases import (
     router_phases_from_traces,
     ttft_phases,
 )
-from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, deployed, free_ports, parse_scenarios, scenario_config
+from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, scenario_config
+from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
 from orchestrator.cluster import start_embedded_ray
@@ -52,6 +57,10 @@ logger = logging.getLogger("tandem.bench")
 # Direct-path prompts come from another seed: resending the HTTP run's prompts would make
 # them prefix-cache hits, and the comparison would measure the cache, not the path.
 DIRECT_SEED_OFFSET = 1000
+# The Tandem scenario a plain vLLM server is compared with, and so CPU-matched to.
+REFERENCE_SCENARIO = "colocated:1"
+# Less extra CPU than this is not worth a CPU-matched run.
+MIN_BALLAST_CORES = 0.01
 
 
 class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +88,13 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     nixl_micro: bool = True
 
 
+class CpuMatched(msgspec.Struct, frozen=True):
+    """A plain vLLM server's run beside a ballast of the extra CPU Tandem's stack took."""
+
+    ballast_cores: float  # Tandem's direct-path CPU outside its engine core, minus the vLLM server's
+    run: RunResult  # the direct run's prompts and schedule at its rate, over HTTP to the vLLM server
+
+
 class ScenarioReport(msgspec.Struct, frozen=True):
     """What one scenario gave beyond its runs (which are saved as JSON files of their own)."""
 
@@ -91,6 +107,7 @@ class ScenarioReport(msgspec.Struct, frozen=True):
     # The slowest KV transfer any engine saw from start-up (warm-up included) to the end of the
     # scenario; None where nothing was transferred or the server is not Tandem.
     kv_max_s: float | None = None
+    cpu_matched: list[CpuMatched] = []  # vllm-server after colocated:1 only, one per rate
 
     def kv_total(self, name: str) -> float:
         """A KV counter's growth over every run of the scenario."""
@@ -190,24 +207,62 @@ class _Setup(msgspec.Struct, frozen=True):
     port: int  # where every scenario serves (Ray Serve keeps its first port)
 
 
-def _sweep(setup: _Setup, base_url: str, model: str, label: str, names: list[str]) -> list[RunResult]:
+def _sweep(setup: _Setup, base_url: str, model: str, label: str, names: list[str], cpu_meter: CpuMeter | None) -> list[RunResult]:
     o = setup.opts
     return asyncio.run(run_sweep(
         base_url, model, setup.workload, o.num_requests, rates=o.rates, tokenizer=setup.tokenizer, seed=o.seed, warmup=o.warmup,
-        slo=setup.slo, label=label, duration_s=o.duration_s, request_timeout_s=o.request_timeout_s, metric_names=names,
+        slo=setup.slo, label=label, duration_s=o.duration_s, request_timeout_s=o.request_timeout_s, metric_names=names, cpu_meter=cpu_meter,
     ))
 
 
-def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[ScenarioReport, KVGeometry | None]:
-    """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines."""
+def server_cpu_meter(target: Target, embedded: bool) -> CpuMeter | None:
+    """What to read for the server's CPU: a vLLM server's process tree, or everything the
+    embedded Ray runs (the bench process's descendants, the load generator excluded); None on
+    a cluster, whose processes are not on this host."""
+    if target.pid is not None:
+        return CpuMeter([target.pid])
+    return CpuMeter([os.getpid()], include_roots=False) if embedded else None
+
+
+def run_cpu_matched(setup: _Setup, target: Target, meter: CpuMeter, runs: list[RunResult], reference: ScenarioReport) -> list[CpuMatched]:
+    """Per rate: the vLLM server again, beside a ballast of the CPU Tandem's stack took beyond
+    the vLLM server's own (outside the engine core, Tandem's direct run against this run), fed
+    the direct run's prompts on its schedule. The vLLM server has not seen those prompts."""
+    o = setup.opts
+    matched = []
+    for k, (run, direct) in enumerate(zip(runs, reference.direct)):
+        if run.server_cpu is None or direct.server_cpu is None or run.config.rate != direct.config.rate:
+            continue
+        extra = direct.server_cpu.other - run.server_cpu.other
+        if extra < MIN_BALLAST_CORES:
+            logger.info("rate %g: Tandem's stack took no more CPU than the vLLM server's (%+.3f core); no CPU-matched run", run.config.rate, extra)
+            continue
+        requests = setup.workload.sample(o.num_requests, o.seed + DIRECT_SEED_OFFSET + k, setup.tokenizer)
+        with ballast(extra, seconds=o.duration_s + o.request_timeout_s + 60) as burner:
+            result = asyncio.run(run_load(
+                target.base_url, target.model, requests, rate=run.config.rate, seed=o.seed + k, duration_s=o.duration_s,
+                slo=setup.slo, label=f"vllm-server + {extra:.2f} core", metric_names=VLLM_SERVER_METRICS,
+                request_timeout_s=o.request_timeout_s, workload=setup.workload, cpu_meter=CpuMeter([*meter.roots, burner]),
+            ))
+        matched.append(CpuMatched(extra, result))
+    return matched
+
+
+def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: ScenarioReport | None = None) -> tuple[ScenarioReport, KVGeometry | None]:
+    """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines.
+
+    A vLLM server given the `reference` (colocated:1's report) also gets its CPU-matched runs.
+    """
     o = setup.opts
     # A vLLM server exposes its engine-core timings under vllm: names; only those match there.
     names = metric_names() if scenario.is_tandem else list(VLLM_SERVER_METRICS)
     with deployed(scenario, setup.base, setup.port, log_dir) as target:
         logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
-        runs = _sweep(setup, target.base_url, target.model, scenario.name, names)
+        meter = server_cpu_meter(target, embedded=not o.address)
+        runs = _sweep(setup, target.base_url, target.model, scenario.name, names, meter)
         if not scenario.is_tandem:
-            return ScenarioReport(scenario, target.startup_s, runs), None
+            matched = run_cpu_matched(setup, target, meter, runs, reference) if reference is not None and meter is not None else []
+            return ScenarioReport(scenario, target.startup_s, runs, cpu_matched=matched), None
         infos = target.deployment.infos
         geometry = KVGeometry.from_model(resolve_local(setup.base.model.source), infos[0].block_size)
         direct: list[tuple[RunResult, list[RequestTrace]]] = []
@@ -219,7 +274,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> tuple[Scen
                 direct.append(asyncio.run(run_direct(
                     router, target.model, requests, setup.tokenizer,
                     rate=rate, seed=o.seed + k, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
-                    duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload,
+                    duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload, cpu_meter=meter,
                 )))
         slowest = asyncio.run(scrape_metrics(target.base_url, [KV_MAX], combine=max)).get(KV_MAX)
     disaggregated = scenario.kind == "disaggregated"
@@ -253,13 +308,14 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     if opts.target_url:
         model = opts.target_model or base.model.name
         target = Scenario("target", "external")
-        report = ScenarioReport(target, 0.0, _sweep(setup, opts.target_url.rstrip("/").removesuffix("/v1"), model, "target", []))
+        report = ScenarioReport(target, 0.0, _sweep(setup, opts.target_url.rstrip("/").removesuffix("/v1"), model, "target", [], None))
         return BenchReport(opts, command, [report], elapsed_s=time.perf_counter() - t0)
     scenarios = parse_scenarios(opts.scenarios)
     reports, geometry = [], None
     with shared_ray(base, scenarios, opts.address):
         for scenario in scenarios:
-            report, found = run_scenario(setup, scenario, out / "logs")
+            reference = next((r for r in reports if r.scenario.name == REFERENCE_SCENARIO), None) if scenario.kind == "vllm-server" else None
+            report, found = run_scenario(setup, scenario, out / "logs", reference)
             reports.append(report)
             geometry = geometry or found
     micro = []

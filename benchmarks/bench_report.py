@@ -17,6 +17,7 @@ from benchmarks.nixl_micro import markdown as micro_markdown
 from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_SLOW, KV_TRANSFERS, PER_REQUEST_METRICS, engine_first_token_ms, engine_tpot_ms
 from benchmarks.loadgen import RunResult
 from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, save_json
+from benchmarks.server_cpu import ServerCpu
 
 # Tandem's colocated engine and a plain vLLM server should agree within this (issue 4).
 AGREEMENT = 0.20
@@ -94,46 +95,61 @@ def transfer_table(report: BenchReport) -> str:
     return out
 
 
+def _cpu(cpu: ServerCpu | None) -> str:
+    return "—" if cpu is None else f"{cpu.engine_core:.2f} / {cpu.other:.2f}"
+
+
 def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     """Tandem colocated:1 against a plain vLLM server, rate by rate (empty unless both ran).
 
     Where the direct-to-engine runs were made (every rate, unless --no-overhead), the difference
     is split into what Tandem's HTTP path adds (HTTP minus direct) and what is left on the engine side
-    (direct minus vLLM), so a gap beyond 20% comes with its measured cause. Two last rows per
-    rate compare vLLM's own time to first token and TPOT, timed by the engine core, in both
-    servers: what is left there is the engine itself computing slower, not the path to it.
+    (direct minus vLLM), so a gap beyond 20% comes with its measured cause. The CPU-matched
+    column is the vLLM server beside a ballast of the extra CPU Tandem's stack took: where the
+    engine side is within 20% of it, that CPU explains the engine side. Two rows per rate
+    compare vLLM's own time to first token and TPOT, timed by the engine core, in both servers;
+    the last one shows the CPU each server's processes used.
     """
     by_name = {s.scenario.name: s for s in scenarios}
     tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
     if tandem is None or plain is None:
         return ""
     lines = [
-        "| Rate (req/s) | Metric (p50, ms) | vLLM server | Tandem colocated:1 | Tandem − vLLM | Tandem direct to the engine actor | of which HTTP path | of which engine side | Verdict |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| Rate (req/s) | Metric (p50, ms) | vLLM server | Tandem colocated:1 | Tandem − vLLM | Tandem direct to the engine actor | of which HTTP path "
+        "| of which engine side | vLLM server beside Tandem's extra CPU | Verdict |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for t, v in zip(tandem.runs, plain.runs):
-        o = tandem.overhead_at(t.config.rate)
+        rate = t.config.rate
+        o = tandem.overhead_at(rate)
+        d = next((r for r in tandem.direct if r.config.rate == rate), None)
+        m = next((c for c in plain.cpu_matched if c.run.config.rate == rate), None)
         for label, field, direct_field in (("TTFT", "ttft_ms", "ttft_p50_ms"), ("TPOT", "tpot_ms", "tpot_p50_ms")):
             a, b = getattr(v.summary, field).p50, getattr(t.summary, field).p50
             if a is None or b is None:
                 continue
             diff = b - a
             direct = getattr(o.direct, direct_field) if o is not None else None
+            matched = getattr(m.run.summary, field).p50 if m is not None else None
             http_part = None if direct is None else b - direct
             engine_part = None if direct is None else direct - a
             if abs(diff) <= AGREEMENT * a:
                 verdict = f"within {100 * AGREEMENT:.0f}%"
-            elif direct is not None and abs(engine_part) <= AGREEMENT * a:
+            elif engine_part is not None and abs(engine_part) <= AGREEMENT * a:
                 verdict = f"{100 * diff / a:+.0f}%; without Tandem's HTTP path within {100 * AGREEMENT:.0f}% ({100 * engine_part / a:+.0f}%)"
-            elif direct is not None:
+            elif engine_part is not None and matched is not None and abs(direct - matched) <= AGREEMENT * a:
+                verdict = (f"{100 * diff / a:+.0f}%: HTTP path {http_part:+.1f} ms, engine side {100 * engine_part / a:+.0f}%, as much as Tandem's extra "
+                           f"{m.ballast_cores:.2f} core costs vLLM's own server ({100 * (matched - a) / a:+.0f}%; within {100 * AGREEMENT:.0f}%)")
+            elif engine_part is not None:
                 verdict = f"{100 * diff / a:+.0f}%: HTTP path {http_part:+.1f} ms, engine side {100 * engine_part / a:+.0f}%"
+                if matched is not None:
+                    verdict += f"; Tandem's extra {m.ballast_cores:.2f} core costs vLLM's own server {100 * (matched - a) / a:+.0f}%"
             else:
                 verdict = f"{100 * diff / a:+.0f}% (no direct run at this rate)"
             lines.append(
-                f"| {t.config.rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
-                f"{_signed_ms(http_part)} | {_signed_ms(engine_part)} | {verdict} |"
+                f"| {rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
+                f"{_signed_ms(http_part)} | {_signed_ms(engine_part)} | {_ms(matched)} | {verdict} |"
             )
-        d = next((r for r in tandem.direct if r.config.rate == t.config.rate), None)
         for label, engine_ms in (
             ("engine time to first token (mean; vLLM's engine-core timing: queue + prefill)", engine_first_token_ms),
             ("engine TPOT (mean; vLLM's engine-core timing, no relay)", engine_tpot_ms),
@@ -142,9 +158,17 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
             if a is None or b is None:
                 continue
             direct = engine_ms(d.summary.server_metrics) if d is not None else None
+            matched = engine_ms(m.run.summary.server_metrics) if m is not None else None
             lines.append(
-                f"| {t.config.rate:g} | {label} | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
-                f"{_ms(direct)} | | | {100 * (b - a) / a:+.0f}% in the engine itself |"
+                f"| {rate:g} | {label} | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
+                f"{_ms(direct)} | | | {_ms(matched)} | {100 * (b - a) / a:+.0f}% in the engine itself |"
+            )
+        if t.server_cpu is not None and v.server_cpu is not None:
+            note = "ballast: Tandem direct's rest − vLLM server's rest" if m is not None else "no CPU-matched run"
+            lines.append(
+                f"| {rate:g} | CPU of the server's processes, cores: engine core / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
+                f"{t.server_cpu.other - v.server_cpu.other:+.2f} rest | {_cpu(d.server_cpu if d else None)} | | | "
+                f"{_cpu(m.run.server_cpu if m else None)} | {note} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -184,6 +208,8 @@ def write_bench_report(report: BenchReport, out: Path) -> Path:
             save_json(run, out / f"{_slug(s.scenario.name)}-{k:02d}-rate-{run.config.rate:g}.json")
         for k, run in enumerate(s.direct):
             save_json(run, out / f"{_slug(s.scenario.name)}-direct-{k:02d}-rate-{run.config.rate:g}.json")
+        for k, matched in enumerate(s.cpu_matched):
+            save_json(matched.run, out / f"{_slug(s.scenario.name)}-cpu-matched-{k:02d}-rate-{matched.run.config.rate:g}.json")
     (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
     plot_latency_vs_load(sweeps, out / "latency.png")
     plot_goodput(sweeps, out / "goodput.png")

@@ -19,6 +19,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from benchmarks.loadgen import RunConfig, RunResult, _measure, arrival_times, environment, metric_deltas, request_body, scrape_metrics
+from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO, RequestResult, summarize
 from benchmarks.workloads import BenchRequest, WorkloadSpec
 from orchestrator.openai_api import CompletionRequest
@@ -95,12 +96,14 @@ async def run_direct(
     slo: SLO | None = None,
     request_timeout_s: float = 600.0,
     workload: WorkloadSpec | None = None,
+    cpu_meter: CpuMeter | None = None,
 ) -> tuple[RunResult, list[RequestTrace]]:
     """One Poisson-arrival run through `router` (built in this process like the ingress's, from the
     same config); also returns the router's traces.
 
     `metrics_url` is the deployment's HTTP base, scraped before and after for engine-side
     counters (queue time, KV transfers), which the engines report whichever path fed them.
+    `cpu_meter` reads the deployment's processes as over HTTP (the router here is not in them).
     """
     config = RunConfig(
         base_url=DIRECT_URL, model=model, label=label, rate=rate, concurrency=None, arrival="poisson", seed=seed,
@@ -111,7 +114,7 @@ async def run_direct(
     with tqdm(total=len(requests), desc=label, unit="req") as bar:
         sender = DirectSender(router, tokenizer, config, bar)
         before = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
-        results, elapsed, host_cpu = await _measure(sender, requests, schedule, duration_s)  # type: ignore[arg-type]
+        results, elapsed, host_cpu, server_cpu = await _measure(sender, requests, schedule, duration_s, cpu_meter)  # type: ignore[arg-type]
         after = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
-    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu), sender.traces
+    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu), sender.traces

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import psutil
 
+from benchmarks.server_cpu import cpu_seconds
 from orchestrator.config import load_config, to_dict
 
 # The engines' total must stay under this share of one core (Tandem's idle target).
@@ -50,17 +51,6 @@ class IdleCpu(msgspec.Struct, frozen=True):
         return self.engine_cores < self.bound_cores
 
 
-def _cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
-    out = {}
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[p.pid] = t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def engine_processes(engine_pids: Iterable[int]) -> list[psutil.Process]:
     """Each engine actor's process and all of its descendants."""
     procs: dict[int, psutil.Process] = {}
@@ -80,10 +70,10 @@ def measure(engine_pids: Iterable[int], seconds: float) -> IdleCpu:
     """Sum CPU time of the engines' processes (and Ray's, apart) over `seconds` of wall time."""
     engines = engine_processes(engine_pids)
     others = _ray_processes({p.pid for p in engines})
-    before_e, before_o = _cpu_seconds(engines), _cpu_seconds(others)
+    before_e, before_o = cpu_seconds(engines), cpu_seconds(others)
     t0 = time.perf_counter()
     time.sleep(seconds)
-    after_e, after_o = _cpu_seconds(engines), _cpu_seconds(others)
+    after_e, after_o = cpu_seconds(engines), cpu_seconds(others)
     window = time.perf_counter() - t0
     per = []
     for p in engines:

@@ -26,6 +26,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
+from benchmarks.server_cpu import CpuMeter, ServerCpu, cpu_between
 from benchmarks.stats import SLO, RequestResult, RunSummary, summarize
 from benchmarks.workloads import BenchRequest, WorkloadSpec
 
@@ -83,6 +84,8 @@ class RunResult(msgspec.Struct, frozen=True):
     summary: RunSummary
     requests: list[RequestResult]  # measured requests only, in sending order
     host_cpu: HostCpu | None = None  # None where /proc/stat is not there (not Linux)
+    # The server's own processes, when it runs on this host and the caller said which they are.
+    server_cpu: ServerCpu | None = None
 
 
 class _Usage(msgspec.Struct):
@@ -345,6 +348,7 @@ async def run_load(
     label: str = "",
     workload: WorkloadSpec | None = None,
     progress: bool = True,
+    cpu_meter: CpuMeter | None = None,
 ) -> RunResult:
     """Drive one run against `base_url` and measure it.
 
@@ -354,7 +358,8 @@ async def run_load(
     the run. `ignore_eos` makes output lengths exact on vLLM-based servers; `extra_body` adds
     fields to every request. `metric_names` are `/metrics` samples whose growth during the
     measured phase lands in the summary's `server_metrics`. `workload`, if given, is only
-    recorded in the config.
+    recorded in the config. `cpu_meter`, if given, reads the server's processes over the
+    measured phase (`RunResult.server_cpu`).
     """
     if warmup < 0 or (concurrency is not None and concurrency < 1):
         raise ValueError("warmup must be >= 0 and concurrency >= 1")
@@ -386,10 +391,10 @@ async def run_load(
             await _warm_up(sender, requests[:warmup])
             bar.reset()
             before = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
-            results, elapsed, host_cpu = await _measure(sender, measured, schedule, duration_s)
+            results, elapsed, host_cpu, server_cpu = await _measure(sender, measured, schedule, duration_s, cpu_meter)
             after = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
-    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu)
+    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu)
 
 
 def cpu_times(path: str = "/proc/stat") -> list[int] | None:
@@ -419,10 +424,12 @@ async def _measure(
     requests: Sequence[BenchRequest],
     schedule: Sequence[float],
     duration_s: float | None,
-) -> tuple[list[RequestResult], float, HostCpu | None]:
-    """Send on schedule; returns the results, seconds from the first send to the last end, and
-    how busy this host was meanwhile."""
+    cpu_meter: CpuMeter | None = None,
+) -> tuple[list[RequestResult], float, HostCpu | None, ServerCpu | None]:
+    """Send on schedule; returns the results, seconds from the first send to the last end, how
+    busy this host was meanwhile, and what the server's processes used (with a `cpu_meter`)."""
     cpu_before = cpu_times()
+    server_before = cpu_meter.read() if cpu_meter else None
     start = time.perf_counter()
     tasks: list[asyncio.Task[RequestResult]] = []
     for index, (request, offset) in enumerate(zip(requests, schedule)):
@@ -436,7 +443,8 @@ async def _measure(
         tasks.append(asyncio.create_task(sender.send(request, index, start)))
     results = list(await asyncio.gather(*tasks))
     end = max((r.start + r.latency for r in results), default=0.0)
-    return results, end, host_cpu_between(cpu_before, cpu_times())
+    server_cpu = cpu_between(server_before, cpu_meter.read()) if cpu_meter and server_before else None
+    return results, end, host_cpu_between(cpu_before, cpu_times()), server_cpu
 
 
 async def run_sweep(

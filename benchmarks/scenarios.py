@@ -140,6 +140,7 @@ class Target(msgspec.Struct, frozen=True):
     model: str
     startup_s: float
     deployment: Any = None  # orchestrator.deploy.Deployment for Tandem scenarios
+    pid: int | None = None  # a plain vLLM server's process (its engine core is a child)
 
 
 @contextmanager
@@ -158,8 +159,8 @@ def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -
         with running(cfg, own_ray=False) as up:
             yield Target(up.url.removesuffix("/v1"), cfg.model.name, time.perf_counter() - t0, up.deployment)
     else:
-        with vllm_server(cfg, log_dir / "vllm-server.log") as url:
-            yield Target(url, cfg.model.name, time.perf_counter() - t0)
+        with vllm_server(cfg, log_dir / "vllm-server.log") as proc:
+            yield Target(f"http://127.0.0.1:{cfg.serve.port}", cfg.model.name, time.perf_counter() - t0, pid=proc.pid)
 
 
 def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
@@ -197,8 +198,8 @@ def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[str]:
-    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL."""
+def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its process."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{cfg.serve.port}"
     with open(log_path, "wb") as log:
@@ -213,9 +214,9 @@ def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> 
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vllm api_server not healthy after {timeout_s:.0f} s; see {log_path}")
                 time.sleep(1.0)
-            yield url
+            yield proc
         finally:
-            _stop_group(proc)
+            stop_group(proc)
 
 
 def _healthy(url: str) -> bool:
@@ -225,7 +226,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the process group we started, SIGKILL it if it lingers."""
     for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
         if proc.poll() is not None:
