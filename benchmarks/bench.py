@@ -91,7 +91,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
 class CpuMatched(msgspec.Struct, frozen=True):
     """A plain vLLM server's run beside a ballast of the extra CPU Tandem's stack took."""
 
-    ballast_cores: float  # Tandem's direct-path CPU outside its engine core, minus the vLLM server's
+    ballast_cores: float  # Tandem's direct-path CPU outside vLLM's engine processes, minus the vLLM server's
     run: RunResult  # the direct run's prompts and schedule at its rate, over HTTP to the vLLM server
 
 
@@ -226,7 +226,7 @@ def server_cpu_meter(target: Target, embedded: bool) -> CpuMeter | None:
 
 def run_cpu_matched(setup: _Setup, target: Target, meter: CpuMeter, runs: list[RunResult], reference: ScenarioReport) -> list[CpuMatched]:
     """Per rate: the vLLM server again, beside a ballast of the CPU Tandem's stack took beyond
-    the vLLM server's own (outside the engine core, Tandem's direct run against this run), fed
+    the vLLM server's own (outside vLLM's engine processes, Tandem's direct run against this run), fed
     the direct run's prompts on its schedule. The vLLM server has not seen those prompts."""
     o = setup.opts
     matched = []

@@ -96,7 +96,7 @@ def transfer_table(report: BenchReport) -> str:
 
 
 def _cpu(cpu: ServerCpu | None) -> str:
-    return "—" if cpu is None else f"{cpu.engine_core:.2f} / {cpu.other:.2f}"
+    return "—" if cpu is None else f"{cpu.engine:.2f} / {cpu.other:.2f}"
 
 
 def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
@@ -166,7 +166,7 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
         if t.server_cpu is not None and v.server_cpu is not None:
             note = "ballast: Tandem direct's rest − vLLM server's rest" if m is not None else "no CPU-matched run"
             lines.append(
-                f"| {rate:g} | CPU of the server's processes, cores: engine core / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
+                f"| {rate:g} | CPU of the server's processes, cores: vLLM engine / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
                 f"{t.server_cpu.other - v.server_cpu.other:+.2f} rest | {_cpu(d.server_cpu if d else None)} | | | "
                 f"{_cpu(m.run.server_cpu if m else None)} | {note} |"
             )

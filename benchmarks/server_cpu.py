@@ -1,4 +1,4 @@
-"""CPU a server under test burns while it is measured: vLLM's engine core, and the rest.
+"""CPU a server under test burns while it is measured: vLLM's engine processes, and the rest.
 
 On a small host the processes around an engine (an HTTP front end, Ray's daemons, Tandem's
 actors) take CPU the engine needs. The bench reads this for every server it compares, over
@@ -15,14 +15,16 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 import psutil
 
-# vLLM titles its engine-core processes "VLLM::EngineCore" (with a data-parallel suffix).
-ENGINE_CORE_TITLE = "EngineCore"
+# vLLM titles its engine processes "VLLM::EngineCore" (the scheduler) and "VLLM::Worker" (the
+# forward pass, where the executor runs it in processes of its own, as on CPU), with suffixes
+# for data, tensor and pipeline ranks.
+ENGINE_TITLES = ("::EngineCore", "::Worker")
 
 
 class ServerCpu(msgspec.Struct, frozen=True):
     """Cores (CPU seconds per wall second, 1.0 = one core busy) over a measured run."""
 
-    engine_core: float  # vLLM's engine-core processes: the scheduler and, on CPU, the forward pass
+    engine: float  # vLLM's engine-core and worker processes: the scheduler and the forward pass
     other: float  # every other process of the server: front end, actors, Ray's daemons
 
 
@@ -30,7 +32,7 @@ class CpuReading(msgspec.Struct, frozen=True):
     """Cumulative CPU seconds per process at one moment."""
 
     at: float  # time.perf_counter() when read
-    engine_core: dict[int, float]  # pid -> CPU seconds, engine-core processes
+    engine: dict[int, float]  # pid -> CPU seconds, vLLM's engine processes
     other: dict[int, float]  # pid -> CPU seconds, the rest
 
 
@@ -46,11 +48,13 @@ def cpu_seconds(procs: Iterable[psutil.Process]) -> dict[int, float]:
     return out
 
 
-def is_engine_core(p: psutil.Process) -> bool:
+def is_engine(p: psutil.Process) -> bool:
+    """Whether vLLM titled the process as one of its engine's (its full title is argv[0])."""
     try:
-        return ENGINE_CORE_TITLE in p.name() or any(ENGINE_CORE_TITLE in part for part in p.cmdline()[:1])
+        title = next(iter(p.cmdline()), "")
     except psutil.Error:
         return False
+    return any(t in title for t in ENGINE_TITLES)
 
 
 def cpu_between(before: CpuReading, after: CpuReading) -> ServerCpu:
@@ -63,7 +67,7 @@ def cpu_between(before: CpuReading, after: CpuReading) -> ServerCpu:
     def cores(a: Mapping[int, float], b: Mapping[int, float]) -> float:
         return sum(seconds - a.get(pid, 0.0) for pid, seconds in b.items()) / window
 
-    return ServerCpu(engine_core=cores(before.engine_core, after.engine_core), other=cores(before.other, after.other))
+    return ServerCpu(engine=cores(before.engine, after.engine), other=cores(before.other, after.other))
 
 
 class CpuMeter:
@@ -91,6 +95,6 @@ class CpuMeter:
 
     def read(self) -> CpuReading:
         procs = self.processes()
-        engine = [p for p in procs if is_engine_core(p)]
+        engine = [p for p in procs if is_engine(p)]
         rest = [p for p in procs if p not in engine]
         return CpuReading(time.perf_counter(), cpu_seconds(engine), cpu_seconds(rest))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import subprocess
 import time
 
 import msgspec
@@ -231,11 +232,11 @@ def test_vllm_comparison_names_the_engine_side_when_the_direct_path_differs_too(
 
 def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_20_percent_only() -> None:
     # vLLM TTFT 10 ms; Tandem 30 over HTTP, 20 direct (engine side +100%). Tandem's direct run took
-    # 0.40 core outside its engine core, the vLLM server 0.10: the ballast burned 0.30 core.
+    # 0.40 core outside vLLM's engine processes, the vLLM server 0.10: the ballast burned 0.30 core.
     overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(20.0, 20.0, 2.0, 32.0, {}))
 
-    def with_cpu(run: RunResult, engine_core: float, other: float) -> RunResult:
-        return msgspec.structs.replace(run, server_cpu=ServerCpu(engine_core, other))
+    def with_cpu(run: RunResult, engine: float, other: float) -> RunResult:
+        return msgspec.structs.replace(run, server_cpu=ServerCpu(engine, other))
 
     tandem = ScenarioReport(
         parse_scenario("colocated:1"), 60.0, [with_cpu(_run("colocated:1", 1.0, 0.030, 0.002), 0.9, 0.5)],
@@ -250,7 +251,7 @@ def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_
     table = vllm_comparison([tandem, plain_beside(0.0185)])
     assert ("| 1 | TTFT | 10.0 | 30.0 | +20.0 | 20.0 | +10.0 | +10.0 | 18.5 | +200%: HTTP path +10.0 ms, engine side +100%, "
             "as much as Tandem's extra 0.30 core costs vLLM's own server (+85%; within 20%) |") in table
-    assert ("| 1 | CPU of the server's processes, cores: engine core / rest | 0.95 / 0.10 | 0.90 / 0.50 | +0.40 rest | 0.90 / 0.40 | | | "
+    assert ("| 1 | CPU of the server's processes, cores: vLLM engine / rest | 0.95 / 0.10 | 0.90 / 0.50 | +0.40 rest | 0.90 / 0.40 | | | "
             "0.80 / 0.41 | ballast: Tandem direct's rest − vLLM server's rest |") in table
     # At 17.5 ms it is 2.5 ms (25%) away: not explained, but the figure is given.
     table = vllm_comparison([tandem, plain_beside(0.0175)])
@@ -258,13 +259,29 @@ def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_
 
 
 def test_cpu_between_sums_each_group_per_second_of_the_window() -> None:
-    # Over 2 s: the engine core used 1.8 CPU-s; the rest 0.3 (pid 2) + 0.1 (pid 4, started in the
+    # Over 2 s: the engine used 1.8 CPU-s; the rest 0.3 (pid 2) + 0.1 (pid 4, started in the
     # window, counted from zero); pid 3 ended in the window and is lost.
     before = CpuReading(10.0, {1: 5.0}, {2: 1.0, 3: 7.0})
     after = CpuReading(12.0, {1: 6.8}, {2: 1.3, 4: 0.1})
-    assert cpu_between(before, after) == ServerCpu(engine_core=pytest.approx(0.9), other=pytest.approx(0.2))
+    assert cpu_between(before, after) == ServerCpu(engine=pytest.approx(0.9), other=pytest.approx(0.2))
     with pytest.raises(ValueError, match="later"):
         cpu_between(after, before)
+
+
+def test_vllm_engine_processes_are_told_apart_by_the_title_vllm_gives_them() -> None:
+    from benchmarks.server_cpu import is_engine
+
+    titles = ("VLLM::EngineCore", "VLLM::Worker_TP1", "VLLM::APIServer_0", "python")
+    procs = [subprocess.Popen(["bash", "-c", f"exec -a {title} sleep 30"]) for title in titles]
+    try:
+        deadline = time.monotonic() + 30
+        while any(psutil.Process(p.pid).cmdline()[:1] == ["bash"] for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until each has exec'd
+        assert [is_engine(psutil.Process(p.pid)) for p in procs] == [True, True, False, False]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_a_ballast_burns_in_its_own_processes_and_leaves_none_behind() -> None:
@@ -281,7 +298,7 @@ def test_a_ballast_burns_in_its_own_processes_and_leaves_none_behind() -> None:
         first = meter.read()
         time.sleep(1.0)
         cpu = cpu_between(first, meter.read())
-        assert cpu.engine_core == 0.0 and cpu.other > 0.0
+        assert cpu.engine == 0.0 and cpu.other > 0.0
     assert not psutil.pid_exists(pid) and not any(p.is_running() for p in burners)
 
 
@@ -395,12 +412,12 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     # Each server's processes were read over its runs; the vLLM server ran once more beside a
     # ballast of what Tandem's stack took beyond its own, on the direct run's prompts.
     assert run.server_cpu and direct.server_cpu and plain.runs[0].server_cpu
-    assert run.server_cpu.engine_core > 0 and plain.runs[0].server_cpu.engine_core > 0
+    assert run.server_cpu.engine > 0 and plain.runs[0].server_cpu.engine > 0
     (matched,) = plain.cpu_matched
     assert matched.ballast_cores == pytest.approx(direct.server_cpu.other - plain.runs[0].server_cpu.other)
     assert matched.run.summary.num_completed == 4 and matched.run.config.rate == 4.0 and matched.run.server_cpu
     assert matched.run.config.seed == direct.config.seed  # the same arrival schedule
-    assert "| 4 | CPU of the server's processes, cores: engine core / rest |" in summary
+    assert "| 4 | CPU of the server's processes, cores: vLLM engine / rest |" in summary
     assert (tmp_path / "vllm-server-cpu-matched-00-rate-4.json").is_file()
     for name in ("summary.md", "results.md", "bench.json", "latency.png", "goodput.png", "phases.png"):
         assert (tmp_path / name).is_file(), name
