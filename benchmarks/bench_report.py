@@ -99,6 +99,10 @@ def _cpu(cpu: ServerCpu | None) -> str:
     return "—" if cpu is None else f"{cpu.engine:.2f} / {cpu.other:.2f}"
 
 
+def _stolen(run: RunResult | None) -> str:
+    return "—" if run is None or run.host_cpu is None else f"{100 * run.host_cpu.steal:.1f}%"
+
+
 def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     """Tandem colocated:1 against a plain vLLM server, rate by rate (empty unless both ran).
 
@@ -108,7 +112,7 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     column is the vLLM server beside a ballast of the extra CPU Tandem's stack took: where the
     engine side is within 20% of it, that CPU explains the engine side. Two rows per rate
     compare vLLM's own time to first token and TPOT, timed by the engine core, in both servers;
-    the last one shows the CPU each server's processes used.
+    the last two show the CPU each server's processes used and the host's stolen time.
     """
     by_name = {s.scenario.name: s for s in scenarios}
     tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
@@ -169,6 +173,11 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
                 f"| {rate:g} | CPU of the server's processes, cores: vLLM engine / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
                 f"{t.server_cpu.other - v.server_cpu.other:+.2f} rest | {_cpu(d.server_cpu if d else None)} | | | "
                 f"{_cpu(m.run.server_cpu if m else None)} | {note} |"
+            )
+        if t.host_cpu is not None and v.host_cpu is not None:
+            lines.append(
+                f"| {rate:g} | host CPU time stolen by the hypervisor | {_stolen(v)} | {_stolen(t)} | | {_stolen(d)} | | | {_stolen(m.run if m else None)} | "
+                "time stolen slows a run's server, whichever it is |"
             )
     return "\n".join(lines) + "\n"
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.bench import BenchOptions, BenchReport, CpuMatched, ScenarioReport, add_arguments, options_from_args, scenario_names
 from benchmarks.bench_report import overhead_table, phase_table, transfer_table, vllm_comparison
-from benchmarks.loadgen import RunConfig, RunResult, environment
+from benchmarks.loadgen import HostCpu, RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
 from benchmarks.phases import (
     ENGINE_FIRST_TOKEN_COUNTS,
@@ -235,8 +235,8 @@ def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_
     # 0.40 core outside vLLM's engine processes, the vLLM server 0.10: the ballast burned 0.30 core.
     overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(20.0, 20.0, 2.0, 32.0, {}))
 
-    def with_cpu(run: RunResult, engine: float, other: float) -> RunResult:
-        return msgspec.structs.replace(run, server_cpu=ServerCpu(engine, other))
+    def with_cpu(run: RunResult, engine: float, other: float, steal: float = 0.01) -> RunResult:
+        return msgspec.structs.replace(run, server_cpu=ServerCpu(engine, other), host_cpu=HostCpu(busy=0.5, steal=steal))
 
     tandem = ScenarioReport(
         parse_scenario("colocated:1"), 60.0, [with_cpu(_run("colocated:1", 1.0, 0.030, 0.002), 0.9, 0.5)],
@@ -244,7 +244,7 @@ def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_
     )
 
     def plain_beside(matched_ttft: float) -> ScenarioReport:
-        matched = CpuMatched(0.30, with_cpu(_run("vllm-server + 0.30 core", 1.0, matched_ttft, 0.002), 0.8, 0.41))
+        matched = CpuMatched(0.30, with_cpu(_run("vllm-server + 0.30 core", 1.0, matched_ttft, 0.002), 0.8, 0.41, steal=0.079))
         return ScenarioReport(parse_scenario("vllm-server"), 30.0, [with_cpu(_run("vllm-server", 1.0, 0.010, 0.002), 0.95, 0.10)], cpu_matched=[matched])
 
     # Beside the ballast vLLM takes 18.5 ms: 1.5 ms from Tandem direct, within 20% of 10 ms.
@@ -253,6 +253,7 @@ def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_
             "as much as Tandem's extra 0.30 core costs vLLM's own server (+85%; within 20%) |") in table
     assert ("| 1 | CPU of the server's processes, cores: vLLM engine / rest | 0.95 / 0.10 | 0.90 / 0.50 | +0.40 rest | 0.90 / 0.40 | | | "
             "0.80 / 0.41 | ballast: Tandem direct's rest − vLLM server's rest |") in table
+    assert "| 1 | host CPU time stolen by the hypervisor | 1.0% | 1.0% | | 1.0% | | | 7.9% |" in table
     # At 17.5 ms it is 2.5 ms (25%) away: not explained, but the figure is given.
     table = vllm_comparison([tandem, plain_beside(0.0175)])
     assert "| 17.5 | +200%: HTTP path +10.0 ms, engine side +100%; Tandem's extra 0.30 core costs vLLM's own server +75% |" in table
