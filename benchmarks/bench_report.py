@@ -143,7 +143,7 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
                 verdict = f"{100 * diff / a:+.0f}%; without Tandem's HTTP path within {100 * AGREEMENT:.0f}% ({100 * engine_part / a:+.0f}%)"
             elif engine_part is not None and matched is not None and abs(direct - matched) <= AGREEMENT * a:
                 verdict = (f"{100 * diff / a:+.0f}%: HTTP path {http_part:+.1f} ms, engine side {100 * engine_part / a:+.0f}%, as much as Tandem's extra "
-                           f"{m.ballast_cores:.2f} core costs vLLM's own server ({100 * (matched - a) / a:+.0f}%; within {100 * AGREEMENT:.0f}%)")
+                           f"{m.ballast_cores:.2f} core costs vLLM's own server ({100 * (matched - a) / a:+.0f}%; Tandem direct within {100 * AGREEMENT:.0f}% of it)")
             elif engine_part is not None:
                 verdict = f"{100 * diff / a:+.0f}%: HTTP path {http_part:+.1f} ms, engine side {100 * engine_part / a:+.0f}%"
                 if matched is not None:

@@ -250,7 +250,7 @@ def test_vllm_comparison_explains_the_engine_side_by_the_cpu_matched_run_within_
     # Beside the ballast vLLM takes 18.5 ms: 1.5 ms from Tandem direct, within 20% of 10 ms.
     table = vllm_comparison([tandem, plain_beside(0.0185)])
     assert ("| 1 | TTFT | 10.0 | 30.0 | +20.0 | 20.0 | +10.0 | +10.0 | 18.5 | +200%: HTTP path +10.0 ms, engine side +100%, "
-            "as much as Tandem's extra 0.30 core costs vLLM's own server (+85%; within 20%) |") in table
+            "as much as Tandem's extra 0.30 core costs vLLM's own server (+85%; Tandem direct within 20% of it) |") in table
     assert ("| 1 | CPU of the server's processes, cores: vLLM engine / rest | 0.95 / 0.10 | 0.90 / 0.50 | +0.40 rest | 0.90 / 0.40 | | | "
             "0.80 / 0.41 | ballast: Tandem direct's rest − vLLM server's rest |") in table
     assert "| 1 | host CPU time stolen by the hypervisor | 1.0% | 1.0% | | 1.0% | | | 7.9% |" in table
