@@ -152,7 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", help="model name to send with --target-url (default: the config's served name)")
     p.add_argument("--tokenizer", help="tokenizer folder or hub id for exact prompt lengths (default: the config's model)")
     p.add_argument("--out", dest="out_dir", help="output folder (default results/bench-<timestamp>)")
-    p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the direct-to-engine runs")
+    p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the direct-to-engine runs (and with them the CPU-matched vLLM server runs)")
     p.add_argument("--no-nixl-micro", dest="nixl_micro", action="store_false", help="skip the NIXL microbenchmark")
 
 

@@ -159,8 +159,8 @@ def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -
         with running(cfg, own_ray=False) as up:
             yield Target(up.url.removesuffix("/v1"), cfg.model.name, time.perf_counter() - t0, up.deployment)
     else:
-        with vllm_server(cfg, log_dir / "vllm-server.log") as proc:
-            yield Target(f"http://127.0.0.1:{cfg.serve.port}", cfg.model.name, time.perf_counter() - t0, pid=proc.pid)
+        with vllm_server(cfg, log_dir / "vllm-server.log") as (url, pid):
+            yield Target(url, cfg.model.name, time.perf_counter() - t0, pid=pid)
 
 
 def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
@@ -198,8 +198,8 @@ def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[subprocess.Popen[bytes]]:
-    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its process."""
+def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:
+    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL and pid."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{cfg.serve.port}"
     with open(log_path, "wb") as log:
@@ -214,7 +214,7 @@ def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> 
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vllm api_server not healthy after {timeout_s:.0f} s; see {log_path}")
                 time.sleep(1.0)
-            yield proc
+            yield url, proc.pid
         finally:
             stop_group(proc)
 
