@@ -3,6 +3,13 @@
 The actor is the only place that imports vLLM's engine. Its process environment (core
 binding, NIXL side channel, KV cache size) is set by the deployer through the actor's
 runtime_env, so the engine core that vLLM spawns inherits it.
+
+The engine is built in the constructor, so when Ray restarts a dead actor (the pool manager
+creates it with ``max_restarts``) the engine comes back by itself, in the same placement
+group bundle, on the same node and cores; Ray kills the dead actor's children (vLLM's engine
+core and workers) with it. Each start is a new *incarnation*, which becomes the engine's
+KV-connector id: NIXL peers handshake with the new process instead of the dead one, and the
+CPU tier can release what the dead one held.
 """
 
 from __future__ import annotations
@@ -12,17 +19,24 @@ import contextlib
 import logging
 import math
 import os
+import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
+import psutil
 import ray
 
+from actors.load import LoadMeter
+from actors.resume import ResumedText
 from actors.protocol import (
     TRANSFER_BUCKETS,
     EngineChunk,
     EngineInfo,
+    EngineLoad,
     EngineRequest,
     EngineStats,
     Role,
@@ -48,6 +62,20 @@ class EngineSpec(msgspec.Struct, frozen=True):
     cores: list[int] | None = None
     # A KV transfer slower than this (seconds) is counted and logged as a WARNING.
     slow_transfer_s: float = 1.0
+    # The Ray node the deployer planned this engine for (its side channel host and cores
+    # were derived from it); None: anywhere.
+    node_id: str | None = None
+
+
+class EngineMovedError(RuntimeError):
+    """The actor came back on another node than its slot was planned for (Ray rescheduled
+    its placement group after a node died); the pool manager places it anew."""
+
+
+# How long a prefill's answer (its kv_transfer_params) is remembered after it left, so that
+# a router that gave up on the stream before receiving it can still have the KV released
+# (vLLM's NIXL lease frees it after 30 s anyway).
+HANDOFF_TTL_S = 120.0
 
 
 def _pin_process(cores: list[int]) -> None:
@@ -184,55 +212,61 @@ class EngineActor:
     """A vLLM engine behind Ray calls: generate (streaming), abort, health, stats."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
-        self.llm: Any = None
-        self.stats = EngineStats(engine_id=spec.engine_id, role=spec.role)
-        self._info: EngineInfo | None = None
-
-    async def start(self) -> EngineInfo:
-        """Build the engine (blocks until vLLM's engine core is up); returns what it became."""
+        """Build the engine (blocks until vLLM's engine core is up). Ray queues calls to the
+        actor meanwhile, so `info()` answers once the engine serves."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.stats_logger import TandemStatLogger
 
-        args = AsyncEngineArgs(
-            model=self.spec.model_path,
-            served_model_name=[self.spec.served_name],
-            tensor_parallel_size=self.spec.tensor_parallel_size,
-            kv_transfer_config=self.spec.kv_transfer,
-            **self.spec.engine_args,
-        )
-        if self.spec.cores is not None:
-            _pin_process(self.spec.cores)
-        observe = partial(_observe_connector_stats, slow_s=self.spec.slow_transfer_s)
-        factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
-        # AsyncLLM's constructor waits for the engine core process; keep the loop free.
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
-        vcfg = self.llm.vllm_config
+        self.spec = spec
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.stats = EngineStats(engine_id=spec.engine_id, role=spec.role)
+        self.load = LoadMeter()
+        # request id -> (when it left, kv_transfer_params) of prefills whose answer was sent.
+        self._handed_off: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         ctx = ray.get_runtime_context()
+        if spec.node_id is not None and ctx.get_node_id() != spec.node_id:
+            raise EngineMovedError(
+                f"engine {spec.engine_id} was planned for node {spec.node_id} but started on {ctx.get_node_id()}"
+            )
+        kv_transfer = self.spec.kv_transfer
+        if kv_transfer is not None:
+            kv_transfer = {**kv_transfer, "engine_id": f"{spec.engine_id}@{self.incarnation}"}
+        args = AsyncEngineArgs(
+            model=spec.model_path,
+            served_model_name=[spec.served_name],
+            tensor_parallel_size=spec.tensor_parallel_size,
+            kv_transfer_config=kv_transfer,
+            **spec.engine_args,
+        )
+        if spec.cores is not None:
+            _pin_process(spec.cores)
+        observe = partial(_observe_connector_stats, slow_s=spec.slow_transfer_s)
+        factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
+        self.llm: Any = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        vcfg = self.llm.vllm_config
         side = None
-        if self.spec.kv_transfer is not None:
+        if kv_transfer is not None:
             side = f"{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_HOST')}:{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')}"
         self._info = EngineInfo(
-            engine_id=self.spec.engine_id,
-            role=self.spec.role,
+            engine_id=spec.engine_id,
+            role=spec.role,
+            incarnation=self.incarnation,
             node_id=ctx.get_node_id(),
             node_ip=ray.util.get_node_ip_address(),
             pid=os.getpid(),
+            child_pids=[p.pid for p in psutil.Process().children(recursive=True)],
             max_model_len=vcfg.model_config.max_model_len,
             block_size=vcfg.cache_config.block_size,
             side_channel=side,
-            cores=self.spec.cores,
+            cores=spec.cores,
             cpu_binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
         )
-        logger.info("engine %s (%s) ready: %s", self.spec.engine_id, self.spec.role, self._info)
-        return self._info
+        logger.info("engine %s (%s) ready: %s", spec.engine_id, spec.role, self._info)
 
     def info(self) -> EngineInfo:
-        if self._info is None:
-            raise RuntimeError(f"engine {self.spec.engine_id} has not started; call start() first")
         return self._info
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
@@ -240,44 +274,95 @@ class EngineActor:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         s = req.sampling
+        resumed = None
+        if req.resume_from is not None:
+            resumed = ResumedText(
+                self.llm.tokenizer, req.prompt_token_ids[: req.resume_from], req.prompt_token_ids[req.resume_from :], s
+            )
         params = SamplingParams(
-            **msgspec.structs.asdict(s) | {"stop": s.stop or None, "stop_token_ids": s.stop_token_ids or None},
+            **msgspec.structs.asdict(s)
+            | {
+                # A resumed request's stop strings are checked by ResumedText, over the whole output.
+                "stop": (s.stop or None) if resumed is None else None,
+                "stop_token_ids": s.stop_token_ids or None,
+            },
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
         )
-        finished = False
+        finished = prefilled = False
+        num_prompt = len(req.prompt_token_ids)
+        remaining = num_prompt + s.max_tokens
+        self.load.add(1, remaining)
         outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
         try:
             async with contextlib.aclosing(batched(outputs, req.stream_batch_s, _has_text)) as batches:
                 async for batch in batches:
                     out, comp = batch[-1], batch[-1].outputs[0]
+                    token_ids = [t for o in batch for t in o.outputs[0].token_ids]
+                    text = "".join(o.outputs[0].text for o in batch)
+                    done = len(token_ids) + (0 if prefilled else num_prompt)
+                    prefilled = True
+                    self.load.add(0, -done)
+                    remaining -= done
+                    ended, reason = out.finished, comp.finish_reason
+                    if resumed is not None:
+                        text, token_ids, stopped = resumed.feed(token_ids, ended, ended and reason == "stop")
+                        if stopped:
+                            ended, reason = True, "stop"
                     # vLLM ends an aborted request with a last output that is finished with reason
                     # "abort"; count it as aborted, as a cancelled stream is.
-                    finished = out.finished and comp.finish_reason != "abort"
+                    finished = ended and reason != "abort"
+                    kv_params = out.kv_transfer_params if out.finished else None
+                    if kv_params:
+                        self._remember_handoff(req.request_id, kv_params)
                     yield EngineChunk(
-                        text="".join(o.outputs[0].text for o in batch),
-                        token_ids=[t for o in batch for t in o.outputs[0].token_ids],
-                        finished=out.finished,
-                        finish_reason=comp.finish_reason,
-                        stop_reason=comp.stop_reason,
+                        text=text,
+                        token_ids=token_ids,
+                        finished=ended,
+                        finish_reason=reason,
                         num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
                         num_cached_tokens=out.num_cached_tokens or 0,
-                        kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                        kv_transfer_params=kv_params,
                     )
+                    if ended:
+                        return  # a stop string found here: closing the stream aborts vLLM's request
         finally:
+            self.load.add(-1, -remaining)
             if finished:
                 self.stats.num_requests_finished += 1
             else:
                 self.stats.num_requests_aborted += 1
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks (a no-op if it already finished)."""
-        await self.llm.abort(request_id)
+    def _remember_handoff(self, request_id: str, kv_params: dict[str, Any]) -> None:
+        now = time.monotonic()
+        self._handed_off[request_id] = (now, kv_params)
+        while self._handed_off and next(iter(self._handed_off.values()))[0] < now - HANDOFF_TTL_S:
+            self._handed_off.popitem(last=False)
 
-    async def health(self) -> bool:
-        """Raise if the engine core is dead; True otherwise."""
+    async def abort(self, request_id: str) -> dict[str, Any] | None:
+        """Stop a request and free its blocks (a no-op if it already finished). For a prefill
+        that had already finished, returns the kv_transfer_params it answered with: its blocks
+        are held for a decode engine that will never come, and only a decode engine can
+        release them (`release_remote_kv`)."""
+        await self.llm.abort(request_id)
+        handed_off = self._handed_off.pop(request_id, None)
+        return handed_off[1] if handed_off is not None else None
+
+    async def release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """Tell the prefill engine named in `kv_transfer_params` that this decode engine will
+        not read those blocks, so it frees them now instead of at its lease's end (vLLM's own
+        path for a decode request rejected before it was scheduled)."""
+        await self.llm.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+
+    async def health(self) -> EngineLoad:
+        """Raise if the engine core is dead; otherwise the engine's load (see LoadMeter)."""
         await self.llm.check_health()
-        return True
+        return self.load.report(self.stats.kv_cache_usage)
+
+    async def watch(self) -> None:
+        """Never returns: the pool manager keeps one call pending, which Ray fails as soon as
+        this process dies (a death notice without polling)."""
+        await asyncio.Event().wait()
 
     def get_stats(self) -> EngineStats:
         return self.stats

@@ -47,6 +47,10 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # decoded since the last (actors.engine.batched); the first text and the end of the
     # request never wait. 0: a chunk per engine step.
     stream_batch_s: float = 0.0
+    # Set when the request resumes one that another engine was streaming: prompt_token_ids
+    # is the original prompt (its first `resume_from` ids) plus the output already streamed,
+    # and the text continues from there (actors.resume).
+    resume_from: int | None = None
 
 
 class EngineChunk(msgspec.Struct, frozen=True):
@@ -56,7 +60,6 @@ class EngineChunk(msgspec.Struct, frozen=True):
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     # Prompt tokens this engine did not compute (local prefix cache + external KV).
     num_cached_tokens: int = 0
@@ -67,9 +70,15 @@ class EngineChunk(msgspec.Struct, frozen=True):
 class EngineInfo(msgspec.Struct, frozen=True):
     engine_id: str
     role: Role
+    # Changes every time the engine's process starts (first start and every restart); it is
+    # part of the engine's KV-connector id, so NIXL peers and the CPU tier tell them apart.
+    incarnation: str
     node_id: str
     node_ip: str
+    # The actor process that holds the engine; vLLM's engine-core and worker processes are
+    # its children (Ray reaps them when it dies).
     pid: int
+    child_pids: list[int]
     max_model_len: int
     block_size: int
     side_channel: str | None
@@ -79,6 +88,20 @@ class EngineInfo(msgspec.Struct, frozen=True):
     cpu_binding: str | None
     # The engine processes' scheduling niceness (Ray's workers default to 15).
     niceness: int = 0
+
+
+class EngineLoad(msgspec.Struct, frozen=True):
+    """What an engine reports on each health check: its load now and since the last check."""
+
+    # Requests in flight on this engine right now, and tokens still to compute for them
+    # (prompt tokens not yet prefilled plus output tokens not yet generated).
+    num_requests: int
+    num_tokens: int
+    # The same two, averaged over time since the previous report (the autoscaling signal).
+    mean_requests: float
+    mean_tokens: float
+    # Fraction of the KV cache in use at the engine's last step.
+    kv_cache_usage: float
 
 
 class TransferStats(msgspec.Struct):

@@ -1,4 +1,4 @@
-"""`tandem serve | validate | bench`."""
+"""`tandem serve | validate | status | bench`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,18 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from orchestrator.status import StatusError, fetch_status, render, to_json
+
+    try:
+        status = fetch_status(args.address, args.app)
+    except StatusError as err:
+        print(f"tandem: {err}", file=sys.stderr)
+        return 1
+    print(to_json(status) if args.json else render(status))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--show", action="store_true", help="print the config with every default filled in")
     p.set_defaults(func=_validate)
+    p = sub.add_parser("status", help="each pool and replica of a running deployment: state, node, pid, load, restarts; the CPU tier's fill")
+    p.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto, the cluster running on this machine)")
+    p.add_argument("--app", default="tandem", help="the deployment's serve.app_name (default: tandem)")
+    p.add_argument("--json", action="store_true", help="print JSON: {pools: [{role, replicas: [{id, state, node, pid, outstanding, restarts}]}], cpu_tier}")
+    p.set_defaults(func=_status)
     from benchmarks.bench import add_arguments, main as bench
 
     p = sub.add_parser("bench", help="colocated vs disaggregated (and plain vLLM) on one workload: tables, plots, overhead, KV efficiency")

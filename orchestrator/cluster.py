@@ -16,6 +16,9 @@ from orchestrator.config import TandemConfig
 # at 0 (mean of five paired runs). Tandem's embedded Ray starts every worker (engines, Serve's
 # proxy and the ingress alike) at 0; on a cluster, `RAY_worker_niceness=0 ray start ...`.
 WORKER_NICENESS = 0
+# Tandem's named actors (the pool manager, the CPU tier) live in this Ray namespace, so
+# `tandem status` and the Serve ingress find them from any driver.
+NAMESPACE = "tandem"
 
 
 def start_embedded_ray(num_cpus: int, **kwargs: Any) -> None:
@@ -27,6 +30,7 @@ def start_embedded_ray(num_cpus: int, **kwargs: Any) -> None:
     ray.init(
         address="local",
         num_cpus=num_cpus,
+        namespace=NAMESPACE,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _system_config={"worker_niceness": WORKER_NICENESS},
@@ -37,7 +41,7 @@ def start_embedded_ray(num_cpus: int, **kwargs: Any) -> None:
 def init_ray(cfg: TandemConfig, address: str | None) -> bool:
     """Join `address` (or RAY_ADDRESS), else start an embedded single-machine Ray; True if embedded."""
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=address or os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=True)
         return False
     need = sum(p.num_cpus * p.replicas for p in cfg.pools.values())
     # Logical CPUs cover every engine, whatever the machine has.

@@ -52,16 +52,57 @@ class ModelConfig(Struct, forbid_unknown_fields=True, frozen=True):
         return "tandem-tiny" if self.source == BUILTIN_TINY else self.source
 
 
+class AutoscalingConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    """When a pool grows or shrinks between its min_replicas and max_replicas."""
+
+    # The load signal, as each engine measures it (time-averaged over the health period):
+    # requests in flight on the replica, or tokens still to compute for them (prompt tokens
+    # not yet prefilled plus output tokens not yet generated).
+    metric: Literal["outstanding_requests", "outstanding_tokens"] = "outstanding_requests"
+    # The load one replica should carry; the pool wants ceil(total load / target) replicas.
+    target_per_replica: Annotated[float, Meta(gt=0)] = 4.0
+    # How long the pool must want more (fewer) replicas before one is added (drained).
+    upscale_delay_s: NonNegativeFloat = 5.0
+    downscale_delay_s: NonNegativeFloat = 60.0
+    # A draining replica is stopped once idle, or after this long whatever it still serves.
+    drain_timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+
+
 class PoolConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # Number of engine replicas in the pool.
+    # Number of engine replicas the pool starts with.
     replicas: PositiveInt = 1
-    # Ray resources reserved per replica (one placement-group bundle per TP worker).
+    # Bounds for autoscaling; both default to `replicas` (a fixed-size pool).
+    min_replicas: PositiveInt | None = None
+    max_replicas: PositiveInt | None = None
+    autoscaling: AutoscalingConfig = AutoscalingConfig()
+    # Ray resources reserved per replica. With tensor_parallel_size > 1 on GPUs the
+    # replica's placement group is one CPU bundle for the engine actor plus one 1-GPU
+    # bundle per TP rank, the shape vLLM's Ray executor expects.
     num_cpus: NonNegativeFloat = 1.0
     num_gpus: NonNegativeFloat = 0.0
     resources: dict[str, float] = {}
     tensor_parallel_size: PositiveInt = 1
     # vLLM engine args for this pool only, applied over the top-level engine_args.
     engine_args: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not self.min_size <= self.replicas <= self.max_size:
+            raise ValueError(
+                f"replicas ({self.replicas}) must lie within min_replicas ({self.min_size}) and "
+                f"max_replicas ({self.max_size})"
+            )
+
+    @property
+    def min_size(self) -> int:
+        return self.min_replicas if self.min_replicas is not None else self.replicas
+
+    @property
+    def max_size(self) -> int:
+        return self.max_replicas if self.max_replicas is not None else self.replicas
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_size < self.max_size
 
 
 class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -107,8 +148,31 @@ class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # How the router picks a replica within a pool.
+    # How the router picks a replica within a pool (healthy replicas only).
     policy: Literal["round_robin", "least_outstanding"] = "least_outstanding"
+    # A prefill that has not answered after this long is abandoned and retried elsewhere.
+    prefill_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    # Other prefill replicas tried after a failed or timed-out prefill; when none is left
+    # healthy, the decode engine prefills the request itself.
+    prefill_retries: Annotated[int, Meta(ge=0)] = 2
+    # Times one request may move to another engine after the engine streaming it failed
+    # (it continues from the prompt plus the tokens already sent); past that, an error.
+    max_migrations: Annotated[int, Meta(ge=0)] = 2
+
+
+class HealthConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    """How the pool manager watches engine replicas (orchestrator.pools)."""
+
+    # Every replica answers a cheap health call this often (it also reports its load).
+    period_s: Annotated[float, Meta(gt=0)] = 1.0
+    # A health call unanswered after this long counts as failed: the replica leaves routing
+    # and is restarted. A dead process is noticed sooner, from Ray's own death notice.
+    timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    # How long an engine may take to come up (start or restart) before it counts as failed.
+    start_timeout_s: Annotated[float, Meta(gt=0)] = 900.0
+    # Engine starts that may fail in a row (an error in vLLM's start-up, not a crash later)
+    # before the replica is left down, with the error in the log and in `tandem status`.
+    max_failed_starts: PositiveInt = 3
 
 
 class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -151,6 +215,10 @@ class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     save_from: frozenset[PoolRole] = frozenset({"prefill", "both"})
     # Pools whose engines load held prefixes from the tier instead of computing them.
     load_into: frozenset[PoolRole] = frozenset({"prefill", "both"})
+    # The tier's connector class and its module (a subclass of TandemCpuTierConnector
+    # with another transfer path, or one that injects faults in tests).
+    connector: str = "TandemCpuTierConnector"
+    module_path: str = "connectors.offload"
 
 
 class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -165,6 +233,7 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
     colocated: PoolConfig | None = None
     kv_transfer: KVTransferConfig = KVTransferConfig()
     routing: RoutingConfig = RoutingConfig()
+    health: HealthConfig = HealthConfig()
     serve: ServeConfig = ServeConfig()
     cpu: CpuHostConfig = CpuHostConfig()
     cpu_tier: CpuTierConfig = CpuTierConfig()

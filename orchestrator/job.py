@@ -55,8 +55,8 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
     deployment = Deployment(cfg)
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        engines = deployment.start()
-        app = build_ingress(cfg, engines, min(i.max_model_len for i in deployment.infos))
+        deployment.start()
+        app = build_ingress(cfg, min(i.max_model_len for i in deployment.infos))
         serve.run(app, name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
         host = ray.util.get_node_ip_address() if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
         yield Running(f"http://{host}:{cfg.serve.port}/v1", deployment, embedded)
@@ -90,7 +90,8 @@ def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
         shape = " + ".join(f"{p.replicas} {role}" for role, p in cfg.pools.items())
         print(
             f"Tandem ready: serving {cfg.model.name!r} ({shape}) at {up.url} "
-            f"after {time.perf_counter() - t0:.0f} s; Ctrl-C to stop",
+            f"after {time.perf_counter() - t0:.0f} s; `tandem status --address {ray.get_runtime_context().gcs_address}"
+            f"{'' if cfg.serve.app_name == 'tandem' else ' --app ' + cfg.serve.app_name}` shows its pools; Ctrl-C to stop",
             flush=True,
         )
         while not stop.wait(1.0):

@@ -10,13 +10,58 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from actors.protocol import TRANSFER_BUCKETS, EngineStats
-from orchestrator.router import RequestTrace
+from orchestrator.protocol import REPLICA_STATES, DeploymentStatus
+from orchestrator.router import RequestTrace, RouterStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _replica_families(app: str, status: DeploymentStatus | None) -> Iterable[Metric]:
+    """Every replica the pool manager knows, down ones included: a dead engine shows as
+    tandem_engine_up 0, never as a series that silently vanished."""
+    labels = ["app", "pool", "engine"]
+    up = GaugeMetricFamily("tandem_engine_up", "1 while the replica is healthy and in routing, else 0", labels=labels)
+    state = GaugeMetricFamily("tandem_engine_state", "1 for the replica's current state", labels=labels + ["state"])
+    restarts = CounterMetricFamily("tandem_engine_restarts", "Times the replica's engine was restarted after a failure", labels=labels)
+    outstanding = GaugeMetricFamily("tandem_engine_outstanding_requests", "Requests in flight on the engine at its last health check", labels=labels)
+    healthy = GaugeMetricFamily("tandem_pool_healthy_replicas", "Healthy replicas per pool", labels=["app", "pool"])
+    if status is not None:
+        for pool in status.pools:
+            role = "both" if pool.role == "colocated" else pool.role
+            healthy.add_metric([app, role], pool.num_healthy)
+            for r in pool.replicas:
+                lv = [app, role, r.id]
+                up.add_metric(lv, 1.0 if r.state == "healthy" else 0.0)
+                for name in REPLICA_STATES:
+                    state.add_metric(lv + [name], 1.0 if r.state == name else 0.0)
+                restarts.add_metric(lv, r.restarts)
+                outstanding.add_metric(lv, r.outstanding)
+    return [up, state, restarts, outstanding, healthy]
+
+
+def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
+    """This ingress replica's router: failover and cancellation counts, requests in flight."""
+    retries = CounterMetricFamily("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", labels=["app", "reason"])
+    for reason, n in stats.retries.items():
+        retries.add_metric([app, reason], n)
+    fallbacks = CounterMetricFamily("tandem_fallbacks", "Requests that left the disaggregated path, by reason", labels=["app", "reason"])
+    for reason, n in stats.fallbacks.items():
+        fallbacks.add_metric([app, reason], n)
+    migrations = CounterMetricFamily("tandem_migrations", "Requests moved to another engine mid-stream after the engine serving them failed", labels=["app"])
+    migrations.add_metric([app], stats.migrations)
+    failed = CounterMetricFamily("tandem_requests_failed", "Requests that could not be served: no engine left, or past routing.max_migrations", labels=["app", "reason"])
+    for reason, n in stats.failed.items():
+        failed.add_metric([app, reason], n)
+    aborted = CounterMetricFamily("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", labels=["app", "phase"])
+    for phase, n in stats.aborts.items():
+        aborted.add_metric([app, phase], n)
+    in_flight = GaugeMetricFamily("tandem_requests_in_flight", "Requests this ingress replica is serving", labels=["app"])
+    in_flight.add_metric([app], stats.in_flight)
+    return [retries, fallbacks, migrations, failed, aborted, in_flight]
 
 
 def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[str, int]) -> Iterable[Metric]:
@@ -77,16 +122,21 @@ def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[s
     return [kv_bytes, kv_num, kv_failed, kv_slow, kv_max, kv_time, prompt, gen, finished, aborted, running, waiting, usage, inflight, conn, timed, phase, tpot, decoded]
 
 
-class _EngineCollector:
-    """Serves the engine stats fetched for the scrape in progress."""
+class _ScrapeCollector:
+    """Serves what was fetched for the scrape in progress: engine stats, the pool manager's
+    view of every replica, and the router's counters."""
 
     def __init__(self, app: str) -> None:
         self.app = app
         self.stats: Sequence[EngineStats] = ()
         self.outstanding: dict[str, int] = {}
+        self.status: DeploymentStatus | None = None
+        self.router = RouterStats()
 
     def collect(self) -> Iterable[Metric]:
-        return _engine_families(self.app, self.stats, self.outstanding)
+        yield from _engine_families(self.app, self.stats, self.outstanding)
+        yield from _replica_families(self.app, self.status)
+        yield from _router_families(self.app, self.router)
 
 
 class TandemMetrics:
@@ -97,16 +147,14 @@ class TandemMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tandem_requests", "HTTP requests by endpoint and status", ["app", "endpoint", "status"], registry=r)
-        self.fallbacks = Counter("tandem_fallbacks", "Requests that left the disaggregated path, by reason", ["app", "reason"], registry=r)
         self.prompt_tokens = Counter("tandem_request_prompt_tokens", "Prompt tokens of served requests", ["app"], registry=r)
         self.completion_tokens = Counter("tandem_request_completion_tokens", "Completion tokens of served requests", ["app"], registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first output token, at the router", ["app"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_request_latency_seconds", "Arrival to last output token, at the router", ["app"], buckets=LATENCY_BUCKETS, registry=r)
         self.prefill = Histogram("tandem_prefill_phase_seconds", "Arrival to the prefill engine's answer (disaggregated only)", ["app"], buckets=LATENCY_BUCKETS, registry=r)
         self.phases = Histogram("tandem_request_phase_seconds", "Router-timed phases of a request (see RequestTrace.phases)", ["app", "phase"], buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("tandem_requests_in_flight", "Requests being served", ["app"], registry=r)
-        self._engines = _EngineCollector(app)
-        r.register(self._engines)
+        self._scrape = _ScrapeCollector(app)
+        r.register(self._scrape)
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.app, endpoint, str(status)).inc()
@@ -115,8 +163,6 @@ class TandemMetrics:
         """Record a finished request's phases as the router timed them."""
         self.prompt_tokens.labels(self.app).inc(prompt_tokens)
         self.completion_tokens.labels(self.app).inc(completion_tokens)
-        if trace.fallback:
-            self.fallbacks.labels(self.app, trace.fallback).inc()
         if trace.t_first_token is not None:
             self.ttft.labels(self.app).observe(trace.t_first_token - trace.t_arrival)
         if trace.t_done is not None:
@@ -126,7 +172,14 @@ class TandemMetrics:
         for name, seconds in trace.phases().items():
             self.phases.labels(self.app, name).observe(seconds)
 
-    def render(self, engine_stats: Sequence[EngineStats], outstanding: dict[str, int]) -> bytes:
-        """The Prometheus text page, with the engine stats fetched for this scrape."""
-        self._engines.stats, self._engines.outstanding = engine_stats, outstanding
+    def render(
+        self,
+        engine_stats: Sequence[EngineStats],
+        outstanding: dict[str, int],
+        status: DeploymentStatus | None = None,
+        router: RouterStats | None = None,
+    ) -> bytes:
+        """The Prometheus text page, with what was fetched for this scrape."""
+        c = self._scrape
+        c.stats, c.outstanding, c.status, c.router = engine_stats, outstanding, status, router or RouterStats()
         return generate_latest(self.registry)

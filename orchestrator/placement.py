@@ -8,12 +8,14 @@ single node.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
+from typing import Any
 
 import msgspec
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.config import PoolConfig
 from orchestrator.models import resolve_local
 
 
@@ -116,3 +118,75 @@ def assign_slots(
         port = base_port + per_ip[f.node_ip].index(i)
         slots.append(EngineSlot(nid, f.node_ip, f.model_path, port, binding, mine))
     return slots
+
+
+class SlotAllocator:
+    """Engine slots for a pool that changes size: side-channel ports stay unique per host and
+    a new engine takes the cores its node's live engines use least.
+
+    The first replicas are placed together (`place_all`: the node's cores split evenly, as
+    `assign_slots` does); replicas added later (`place_one`, when a pool grows or a replica
+    lands on another node) get a share of the node's cores as if the node had one engine
+    more, taken from its least used cores, since live engines keep their binding.
+    """
+
+    def __init__(self, base_port: int, bind_cores: bool, model_source: str) -> None:
+        self.base_port = base_port
+        self.bind_cores = bind_cores
+        self.model_source = model_source
+        self._facts: dict[str, NodeFacts] = {}
+        self._live: list[EngineSlot] = []
+
+    def place_all(self, replica_nodes: list[str], tp_sizes: list[int]) -> list[EngineSlot]:
+        slots = assign_slots(replica_nodes, tp_sizes, self.base_port, self.bind_cores, self.model_source)
+        self._live.extend(slots)
+        return slots
+
+    def place_one(self, node_id: str, tp: int) -> EngineSlot:
+        if node_id not in self._facts:
+            self._facts.update(node_facts({node_id}, self.model_source))
+        f = self._facts[node_id]
+        used_ports = {s.side_channel_port for s in self._live if s.node_ip == f.node_ip}
+        port = next(p for p in range(self.base_port, 65536) if p not in used_ports)
+        mine = least_used_cores(f.cores, [s.cores or [] for s in self._live if s.node_id == node_id]) if self.bind_cores else None
+        slot = EngineSlot(node_id, f.node_ip, f.model_path, port, omp_binding(mine, tp) if mine else None, mine)
+        self._live.append(slot)
+        return slot
+
+    def release(self, slot: EngineSlot) -> None:
+        self._live.remove(slot)
+
+
+def least_used_cores(cores: list[int], live: list[list[int]]) -> list[int]:
+    """The cores of one more engine on a node whose live engines hold `live`: an even share
+    of the node (as if it had len(live) + 1 engines), the least used cores first, in order."""
+    share = max(1, len(cores) // (len(live) + 1))
+    use = Counter(c for held in live for c in held)
+    return sorted(sorted(cores, key=lambda c: (use[c], c))[:share])
+
+
+def placement_bundles(pool: PoolConfig, device: str) -> list[dict[str, float]]:
+    """The placement-group bundles of one replica.
+
+    One bundle holds the engine actor and, with tensor_parallel_size 1, its device. With TP
+    on GPUs, vLLM's Ray executor starts one worker per bundle holding exactly one GPU in the
+    actor's placement group (vllm/v1/executor/ray_utils.py), so the replica reserves a CPU
+    bundle for the actor plus one {"GPU": 1} bundle per rank, packed on one node. On CPU
+    hosts TP ranks are local processes (vLLM's multiprocessing executor) sharing the one
+    bundle's cores.
+    """
+    head = {"CPU": pool.num_cpus, **pool.resources}
+    if device == "cuda" and pool.tensor_parallel_size > 1:
+        return [_nonzero(head)] + [{"GPU": 1.0} for _ in range(pool.tensor_parallel_size)]
+    return [_nonzero({**head, "GPU": pool.num_gpus})]
+
+
+def actor_resources(pool: PoolConfig, device: str) -> dict[str, Any]:
+    """The engine actor's own resource request, inside bundle 0 of `placement_bundles`."""
+    gpus = 0.0 if device == "cuda" and pool.tensor_parallel_size > 1 else pool.num_gpus
+    return {"num_cpus": pool.num_cpus, "num_gpus": gpus, "resources": dict(pool.resources)}
+
+
+def _nonzero(bundle: dict[str, float]) -> dict[str, float]:
+    """Ray refuses empty bundles and zero amounts; a replica asking for nothing takes a sliver of a CPU."""
+    return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}

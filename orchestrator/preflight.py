@@ -50,7 +50,7 @@ def check_pools(cfg: TandemConfig) -> None:
 
 def check_connectors(cfg: TandemConfig) -> None:
     from connectors.registry import ConnectorError, validate_kv_transfer_config
-    from orchestrator.deploy import kv_transfer_for
+    from orchestrator.specs import kv_transfer_for
 
     for role in cfg.pools:
         kv = kv_transfer_for(cfg, role)  # type: ignore[arg-type]

@@ -1,62 +1,176 @@
-"""The router: picks engines per request and runs the prefill -> decode protocol.
+"""The router: picks engines per request and runs the prefill -> decode protocol, with failover.
 
 One request, disaggregated (DESIGN.md):
   1. prefill engine: the prompt with max_tokens=1 and kv_transfer_params={"do_remote_decode": True};
   2. its final chunk carries kv_transfer_params (engine id, block ids, host, port);
   3. decode engine: the same prompt and sampling with those params; its NixlConnector pulls
      the blocks and the decode engine streams every output token back.
-If the prefill engine fails, the decode engine prefills the request itself (counted as a
-fallback), so a sick prefill pool degrades throughput, not correctness.
+
+Failover, so that a dying engine costs time, never a request:
+- a prefill that fails or times out is retried on another healthy prefill replica; when none
+  is left, the decode engine prefills the request itself (a counted fallback);
+- when the engine streaming the output fails, the request continues on another healthy engine
+  (another decode replica, else any healthy engine, a prefill one included) from the prompt
+  plus the tokens already sent, so the client's stream goes on unbroken; at most
+  `routing.max_migrations` times, then a clear error;
+- an engine whose call failed leaves this router's choices at once (until the pool manager
+  lists a new incarnation of it) and is reported to the manager, which checks and restarts it.
+
+Cancellation: a consumer that leaves at any phase has the request aborted on the engine that
+holds it; a prefill's KV blocks held for a decode that will not come are released through a
+decode engine at once (vLLM's rejected-request path), not at the end of NIXL's lease.
+
+Which engines exist comes from the pool manager's routing table (`set_engines`); a router
+built on a fixed list (benchmarks, handshake pre-warming) works the same without one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Any, Literal
 
 import msgspec
-import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from actors.protocol import EngineChunk, EngineRequest, Role, SamplingOptions
+from orchestrator.config import RoutingConfig
+from orchestrator.protocol import EngineRef
 
 logger = logging.getLogger("tandem.router")
 
 Policy = Literal["round_robin", "least_outstanding"]
+# Where a request was when its consumer left: before any engine, prefilling, between the
+# prefill's answer and the decode request, streaming its output.
+Phase = Literal["queued", "prefill", "handoff", "decode"]
+
+# An abort is a courtesy to a live engine; one that does not answer this fast is not waited on.
+ABORT_TIMEOUT_S = 2.0
+# How long a router skips an engine whose process failed a call if the pool manager never
+# says otherwise (it normally drops the engine from routing within a couple of seconds).
+EXCLUSION_TTL_S = 30.0
 
 
-class EngineRef(msgspec.Struct, frozen=True):
-    """An engine as the router sees it: an id, a role and the Ray actor handle."""
+class EngineFailure(Exception):
+    """The engine serving a request failed: its process died or is unreachable, its engine
+    core is dead, or it ended the request with an error."""
 
-    engine_id: str
-    role: Role
-    handle: Any
+    def __init__(self, engine: EngineRef, cause: str, *, engine_down: bool) -> None:
+        super().__init__(f"engine {engine.engine_id} failed: {cause}")
+        self.engine = engine
+        self.cause = cause
+        # False when only this request failed and the engine itself may be fine.
+        self.engine_down = engine_down
+
+
+class NoEngineError(RuntimeError):
+    """No healthy engine is left to serve a request (the ingress answers 503)."""
+
+
+class MigrationLimitError(RuntimeError):
+    """A request's engines failed more often than routing.max_migrations allows."""
+
+
+def is_client_error(err: BaseException) -> bool:
+    """vLLM's own input checks (ValueError/TypeError raised in the engine) are the request's
+    fault: no retry, the client gets a 400."""
+    return isinstance(err, RayTaskError) and isinstance(err.cause, (ValueError, TypeError))
+
+
+def _as_failure(engine: EngineRef, err: RayError) -> EngineFailure:
+    """A Ray error of a call to `engine` in words. Only a dead or unreachable actor process is
+    `engine_down` (the router skips it at once); other errors (vLLM's engine core died, a bug)
+    are left for the pool manager's health check to judge."""
+    if isinstance(err, RayTaskError):
+        cause = f"{type(err.cause).__name__}: {err.cause}"
+    else:
+        cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}"
+    return EngineFailure(engine, cause, engine_down=isinstance(err, RayActorError))
+
+
+async def stream_engine(
+    engine: EngineRef,
+    req: EngineRequest,
+    on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+) -> AsyncIterator[EngineChunk]:
+    """Stream an engine actor's chunks; abort the request there if the consumer stops early.
+
+    Raises EngineFailure when the engine fails (a client error from vLLM's checks is raised
+    as it is). Ends at the finished chunk instead of waiting for Ray's end of stream: that
+    wait is one more hop on every request. An abort of a prefill that had already finished
+    returns its kv_transfer_params, handed to `on_held_kv` to release the held blocks.
+    """
+    finished = False
+    engine_gone = False
+    try:
+        try:
+            async for ref in engine.handle.generate.remote(req):
+                chunk: EngineChunk = await ref
+                finished = chunk.finished
+                yield chunk
+                if finished:
+                    return
+        except RayError as err:
+            if is_client_error(err):
+                raise
+            engine_gone = isinstance(err, RayActorError)
+            raise _as_failure(engine, err) from err
+        raise EngineFailure(engine, "its stream ended before the request finished", engine_down=False)
+    finally:
+        if not finished and not engine_gone:
+            held = None
+            with contextlib.suppress(RayError, asyncio.TimeoutError):
+                held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id), ABORT_TIMEOUT_S)
+            if held and on_held_kv is not None:
+                await on_held_kv(held)
 
 
 class EnginePicker:
-    """Chooses a replica within one pool and tracks requests in flight per replica."""
+    """Chooses a healthy replica within one pool and tracks requests in flight per replica."""
 
     def __init__(self, engines: Sequence[EngineRef], policy: Policy) -> None:
-        if not engines:
-            raise ValueError("a pool needs at least one engine")
-        self.engines = list(engines)
         self.policy = policy
-        self.outstanding: dict[str, int] = {e.engine_id: 0 for e in engines}
-        self._rr = itertools.cycle(range(len(engines)))
+        self.engines: list[EngineRef] = []
+        self.outstanding: dict[str, int] = {}
+        # engine id -> (incarnation whose process failed, when); skipped until the routing table
+        # drops that incarnation or lists another, or for EXCLUSION_TTL_S at most.
+        self.failed: dict[str, tuple[str, float]] = {}
+        self._rr = itertools.count()
+        self.set_engines(engines)
 
-    def pick(self) -> EngineRef:
+    def set_engines(self, engines: Sequence[EngineRef]) -> None:
+        self.engines = list(engines)
+        for e in self.engines:
+            self.outstanding.setdefault(e.engine_id, 0)
+        listed = {e.engine_id: e.incarnation for e in self.engines}
+        self.failed = {eid: f for eid, f in self.failed.items() if listed.get(eid) == f[0]}
+
+    def healthy(self) -> list[EngineRef]:
+        now = time.monotonic()
+        self.failed = {eid: f for eid, f in self.failed.items() if now - f[1] < EXCLUSION_TTL_S}
+        return [e for e in self.engines if self.failed.get(e.engine_id, (None,))[0] != e.incarnation]
+
+    def pick(self, exclude: Collection[str] = ()) -> EngineRef | None:
+        """A healthy engine not in `exclude`, or None when there is none."""
+        candidates = [e for e in self.healthy() if e.engine_id not in exclude]
+        if not candidates:
+            return None
+        start = next(self._rr) % len(candidates)
+        order = candidates[start:] + candidates[:start]
         if self.policy == "round_robin":
-            return self.engines[next(self._rr)]
+            return order[0]
         # Least outstanding; ties go round robin so equal replicas share the load.
-        start = next(self._rr)
-        order = self.engines[start:] + self.engines[:start]
-        return min(order, key=lambda e: self.outstanding[e.engine_id])
+        return min(order, key=lambda e: self.outstanding.get(e.engine_id, 0))
+
+    def mark_failed(self, engine: EngineRef) -> None:
+        self.failed[engine.engine_id] = (engine.incarnation, time.monotonic())
 
     def acquire(self, engine: EngineRef) -> None:
-        self.outstanding[engine.engine_id] += 1
+        self.outstanding[engine.engine_id] = self.outstanding.get(engine.engine_id, 0) + 1
 
     def release(self, engine: EngineRef) -> None:
         self.outstanding[engine.engine_id] -= 1
@@ -69,8 +183,14 @@ class RequestTrace(msgspec.Struct):
     decode_engine: str | None = None
     # Prompt tokens the prefilling engine found in its own prefix cache.
     num_cached_tokens: int = 0
-    # Set when the disaggregated path was abandoned: "prefill_failed", "no_kv_params".
+    # Set when the disaggregated path was abandoned: "prefill_failed", "prefill_timeout",
+    # "no_kv_params", "no_prefill_engine" (the decode engine prefilled), "no_decode_engine"
+    # (a prefill engine served the whole request).
     fallback: str | None = None
+    # Prefill attempts that failed before one answered (or the fallback), and times the
+    # request moved to another engine mid-stream.
+    prefill_retries: int = 0
+    migrations: int = 0
     t_arrival: float = 0.0
     t_prefill_done: float | None = None
     # When the request that streams the output left for its engine (decode or colocated).
@@ -93,48 +213,79 @@ class RequestTrace(msgspec.Struct):
         return out
 
 
-async def stream_engine(engine: EngineRef, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-    """Stream an engine actor's chunks; abort the request there if the consumer stops early.
+class RouterStats(msgspec.Struct):
+    """The router's counters since it started, exported on /metrics."""
 
-    Ends at the finished chunk instead of waiting for Ray's end of stream: that wait is one
-    more hop on every request, and a client leaving during it would lose a prefill's KV
-    transfer params, leaving its blocks held until vLLM's lease expires.
-    """
-    finished = False
-    try:
-        async for ref in engine.handle.generate.remote(req):
-            chunk: EngineChunk = await ref
-            finished = chunk.finished
-            yield chunk
-            if finished:
-                return
-    finally:
-        if not finished:
-            try:
-                await engine.handle.abort.remote(req.request_id)
-            except RayActorError:
-                pass  # the engine is gone; so is the request
+    # Prefill attempts retried on another replica, by why the attempt ended.
+    retries: dict[str, int] = {}
+    # Requests that left the disaggregated path, by reason (see RequestTrace.fallback).
+    fallbacks: dict[str, int] = {}
+    # Requests moved to another engine mid-stream, and requests that failed with no engine
+    # left or past the migration limit.
+    migrations: int = 0
+    failed: dict[str, int] = {}
+    # Requests whose consumer left, by the phase they were in.
+    aborts: dict[str, int] = {}
+    in_flight: int = 0
+
+
+def _count(counter: dict[str, int], key: str) -> None:
+    counter[key] = counter.get(key, 0) + 1
 
 
 class Router:
     """Routes requests over a prefill + decode pair of pools, or a colocated pool."""
 
-    def __init__(self, engines: Sequence[EngineRef], policy: Policy, stream_batch_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engines: Sequence[EngineRef],
+        routing: RoutingConfig = RoutingConfig(),
+        stream_batch_s: float = 0.0,
+        *,
+        disaggregated: bool | None = None,
+        report_failure: Callable[[EngineFailure], None] | None = None,
+    ) -> None:
         """`stream_batch_s`: how long engines may hold streamed tokens to send several at once
-        (EngineRequest.stream_batch_s); prefill requests produce one token and never wait."""
+        (EngineRequest.stream_batch_s); prefill requests produce one token and never wait.
+        `disaggregated`: whether the deployment has prefill and decode pools (default: whether
+        `engines` has a prefill engine). `report_failure` hears of every engine whose call
+        failed (the ingress tells the pool manager)."""
+        self.routing = routing
         self.stream_batch_s = stream_batch_s
-        by_role: dict[str, list[EngineRef]] = {}
-        for e in engines:
-            by_role.setdefault(e.role, []).append(e)
-        self.disaggregated = "prefill" in by_role
-        if self.disaggregated and "decode" not in by_role:
-            raise ValueError("a prefill pool needs a decode pool to hand its KV to")
-        self.pools = {role: EnginePicker(es, policy) for role, es in by_role.items()}
-        self.fallbacks: dict[str, int] = {}
+        self.report_failure = report_failure
+        self.disaggregated = any(e.role == "prefill" for e in engines) if disaggregated is None else disaggregated
+        roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("both",)
+        self.pools: dict[str, EnginePicker] = {role: EnginePicker([], routing.policy) for role in roles}
+        self.stats = RouterStats()
+        self.set_engines(engines)
+
+    def set_engines(self, engines: Sequence[EngineRef]) -> None:
+        """The engines requests may go to now (the pool manager's routing table)."""
+        for role, picker in self.pools.items():
+            picker.set_engines([e for e in engines if e.role == role])
 
     @property
     def engines(self) -> list[EngineRef]:
         return [e for p in self.pools.values() for e in p.engines]
+
+    def _engine_failed(self, failure: EngineFailure) -> None:
+        """Skip a dead engine at once; tell the pool manager of any failure, to check it."""
+        engine = failure.engine
+        if failure.engine_down:
+            self.pools[engine.role].mark_failed(engine)
+        if self.report_failure is not None:
+            self.report_failure(failure)
+
+    def _output_pool(self) -> EnginePicker:
+        return self.pools["decode" if self.disaggregated else "both"]
+
+    def _pick_output_engine(self, exclude: set[str]) -> EngineRef | None:
+        """Another engine to stream a request's output: the output pool first, then (when
+        the deployment is disaggregated and no decode replica is left) a prefill one."""
+        engine = self._output_pool().pick(exclude)
+        if engine is None and self.disaggregated:
+            engine = self.pools["prefill"].pick(exclude)
+        return engine
 
     async def generate(
         self,
@@ -148,31 +299,41 @@ class Router:
     ) -> AsyncIterator[EngineChunk]:
         """Stream the request's output chunks; fills `trace` as it goes.
 
-        `prefill_engine`/`decode_engine` pin the choice (handshake pre-warming uses them).
+        `prefill_engine`/`decode_engine` pin the choice, with no retry or migration
+        (handshake pre-warming uses them to test one pair). Raises NoEngineError or
+        MigrationLimitError when the request cannot be served, EngineFailure when a pinned
+        engine fails.
         """
         trace.t_arrival = trace.t_arrival or time.perf_counter()
+        self.stats.in_flight += 1
+        phase: Phase = "queued"
         kv_params: dict[str, Any] | None = None
-        pool_name = "decode" if self.disaggregated else "both"
-        if self.disaggregated:
-            kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine)
-        picker = self.pools[pool_name]
-        engine = decode_engine or picker.pick()
-        trace.decode_engine = engine.engine_id
-        req = EngineRequest(
-            f"{request_id}-d" if self.disaggregated else request_id, prompt_token_ids, sampling, kv_params, self.stream_batch_s
-        )
-        picker.acquire(engine)
-        trace.t_decode_sent = time.perf_counter()
         try:
-            async for chunk in stream_engine(engine, req):
-                if trace.t_first_token is None and chunk.token_ids:
-                    trace.t_first_token = time.perf_counter()
-                if not self.disaggregated or trace.fallback:
-                    trace.num_cached_tokens = chunk.num_cached_tokens
+            if self.disaggregated:
+                if decode_engine is None and not self._output_pool().healthy():
+                    self._fall_back(trace, "no_decode_engine")
+                else:
+                    phase = "prefill"
+                    kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine)
+            phase = "handoff"
+            async for chunk in self._stream_output(request_id, prompt_token_ids, sampling, trace, kv_params, decode_engine):
+                phase = "decode"
                 yield chunk
+            if phase == "handoff":  # nothing streamed: the request ended before its first chunk
+                phase = "decode"
+        except (GeneratorExit, asyncio.CancelledError):
+            _count(self.stats.aborts, phase)
+            if phase == "handoff" and kv_params is not None and trace.t_decode_sent is None:
+                await self._release_held_kv(kv_params, f"{request_id}-release")
+            raise
+        except (NoEngineError, MigrationLimitError) as err:
+            _count(self.stats.failed, "no_engine" if isinstance(err, NoEngineError) else "migration_limit")
+            raise
         finally:
-            picker.release(engine)
+            self.stats.in_flight -= 1
             trace.t_done = time.perf_counter()
+
+    # ---- prefill ----
 
     async def _prefill(
         self,
@@ -180,40 +341,166 @@ class Router:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         trace: RequestTrace,
-        engine: EngineRef | None,
+        pinned: EngineRef | None,
     ) -> dict[str, Any] | None:
-        """Run step 1 of the protocol; None means the decode engine must prefill itself."""
+        """Run step 1 of the protocol, retrying on other replicas; None means the decode
+        engine must prefill itself (trace.fallback says why)."""
         picker = self.pools["prefill"]
-        engine = engine or picker.pick()
-        trace.prefill_engine = engine.engine_id
+        tried: set[str] = set()
+        attempts = 1 if pinned is not None else 1 + self.routing.prefill_retries
+        reason = "no_prefill_engine"
+        try:
+            for attempt in range(attempts):
+                engine = pinned or picker.pick(tried)
+                if engine is None:
+                    break
+                tried.add(engine.engine_id)
+                trace.prefill_engine = engine.engine_id
+                picker.acquire(engine)
+                try:
+                    last = await asyncio.wait_for(
+                        self._prefill_once(engine, f"{request_id}-p{attempt or ''}", prompt_token_ids, sampling),
+                        self.routing.prefill_timeout_s,
+                    )
+                except asyncio.TimeoutError:
+                    reason = "prefill_timeout"
+                    logger.warning("prefill of %s on engine %s took over %.1f s; abandoned",
+                                   request_id, engine.engine_id, self.routing.prefill_timeout_s)
+                except EngineFailure as failure:
+                    reason = "prefill_failed"
+                    self._engine_failed(failure)
+                    logger.warning("prefill of %s failed: %s", request_id, failure)
+                else:
+                    if last is not None and last.kv_transfer_params:
+                        trace.num_cached_tokens = last.num_cached_tokens
+                        return last.kv_transfer_params
+                    logger.warning("prefill engine %s returned no KV transfer params for %s; decode recomputes",
+                                   engine.engine_id, request_id)
+                    reason = "no_kv_params"
+                    break
+                finally:
+                    picker.release(engine)
+                if attempt + 1 < attempts:
+                    trace.prefill_retries += 1
+                    _count(self.stats.retries, reason)
+        finally:
+            trace.t_prefill_done = time.perf_counter()
+        self._fall_back(trace, reason)
+        return None
+
+    async def _prefill_once(
+        self, engine: EngineRef, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
+    ) -> EngineChunk | None:
         req = EngineRequest(
-            f"{request_id}-p",
+            request_id,
             prompt_token_ids,
             msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0),
             {"do_remote_decode": True},
         )
         last: EngineChunk | None = None
-        picker.acquire(engine)
-        try:
-            async for chunk in stream_engine(engine, req):
+        async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request_id))) as chunks:
+            async for chunk in chunks:
                 last = chunk
-        except (RayActorError, ray.exceptions.RayTaskError) as err:
-            logger.warning(
-                "prefill engine %s failed for request %s (%s); the decode engine will prefill it itself",
-                engine.engine_id, request_id, err,
-            )
-            self._count_fallback(trace, "prefill_failed")
-            return None
-        finally:
-            picker.release(engine)
-            trace.t_prefill_done = time.perf_counter()
-        if last is None or not last.kv_transfer_params:
-            logger.warning("prefill engine %s returned no KV transfer params for %s; decode recomputes", engine.engine_id, request_id)
-            self._count_fallback(trace, "no_kv_params")
-            return None
-        trace.num_cached_tokens = last.num_cached_tokens
-        return last.kv_transfer_params
+        return last
 
-    def _count_fallback(self, trace: RequestTrace, reason: str) -> None:
+    def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
+        async def release(kv_params: dict[str, Any]) -> None:
+            await self._release_held_kv(kv_params, f"{request_id}-release")
+
+        return release
+
+    async def _release_held_kv(self, kv_params: dict[str, Any], request_id: str) -> None:
+        """Free a prefill's blocks held for a decode that will not come, through a decode
+        engine (only the reading side can tell the prefill side it is done)."""
+        engine = self._output_pool().pick() if self.disaggregated else None
+        if engine is None:
+            return  # no decode engine: NIXL's lease frees the blocks
+        with contextlib.suppress(RayError, asyncio.TimeoutError):
+            await asyncio.wait_for(engine.handle.release_remote_kv.remote(request_id, kv_params), ABORT_TIMEOUT_S)
+
+    def _fall_back(self, trace: RequestTrace, reason: str) -> None:
         trace.fallback = reason
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        _count(self.stats.fallbacks, reason)
+
+    # ---- output ----
+
+    async def _stream_output(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        trace: RequestTrace,
+        kv_params: dict[str, Any] | None,
+        pinned: EngineRef | None,
+    ) -> AsyncIterator[EngineChunk]:
+        """Stream the output from a decode (or colocated) engine, moving to another engine
+        when it fails, from the prompt plus the tokens already streamed."""
+        engine = pinned or self._pick_output_engine(set())
+        if engine is None:
+            raise NoEngineError("no healthy engine is left to serve the request; retry once the pools have recovered")
+        generated: list[int] = []
+        failed: set[str] = set()
+        while True:
+            if generated and sampling.max_tokens - len(generated) <= 0:
+                yield EngineChunk("", [], finished=True, finish_reason="length", num_prompt_tokens=len(prompt_token_ids))
+                return
+            suffix = f"-m{trace.migrations}" if trace.migrations else ("-d" if self.disaggregated else "")
+            req = EngineRequest(
+                f"{request_id}{suffix}",
+                prompt_token_ids + generated,
+                _continuation(sampling, len(generated)),
+                kv_params,
+                self.stream_batch_s,
+                resume_from=len(prompt_token_ids) if trace.migrations else None,
+            )
+            trace.decode_engine = engine.engine_id
+            if trace.t_decode_sent is None:
+                trace.t_decode_sent = time.perf_counter()
+            serving, picker = engine, self.pools[engine.role]
+            picker.acquire(serving)
+            try:
+                async with contextlib.aclosing(stream_engine(engine, req)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.finish_reason == "error":
+                            raise EngineFailure(engine, "the engine ended the request with an error", engine_down=False)
+                        if trace.t_first_token is None and chunk.token_ids:
+                            trace.t_first_token = time.perf_counter()
+                        if not generated and not trace.migrations and (not self.disaggregated or trace.fallback):
+                            trace.num_cached_tokens = chunk.num_cached_tokens
+                        generated.extend(chunk.token_ids)
+                        yield msgspec.structs.replace(chunk, num_prompt_tokens=len(prompt_token_ids))
+                return
+            except EngineFailure as failure:
+                if pinned is not None:
+                    raise
+                self._engine_failed(failure)
+                failed.add(engine.engine_id)
+                if trace.migrations >= self.routing.max_migrations:
+                    raise MigrationLimitError(
+                        f"request {request_id} failed on {trace.migrations + 1} engines (last: {failure}); "
+                        f"routing.max_migrations is {self.routing.max_migrations}"
+                    ) from failure
+                nxt = self._pick_output_engine(failed)
+                if nxt is None:
+                    raise NoEngineError(
+                        f"engine {engine.engine_id} failed while serving request {request_id} and no healthy "
+                        "engine is left to continue it; retry once the pools have recovered"
+                    ) from failure
+                logger.warning("request %s: %s after %d tokens; continuing on engine %s",
+                               request_id, failure, len(generated), nxt.engine_id)
+                trace.migrations += 1
+                self.stats.migrations += 1
+                engine, kv_params = nxt, None
+            finally:
+                picker.release(serving)
+
+
+def _continuation(sampling: SamplingOptions, num_generated: int) -> SamplingOptions:
+    """The sampling settings for the rest of a request that already produced `num_generated` tokens."""
+    if num_generated == 0:
+        return sampling
+    return msgspec.structs.replace(
+        sampling,
+        max_tokens=sampling.max_tokens - num_generated,
+        min_tokens=max(0, sampling.min_tokens - num_generated),
+    )

@@ -11,17 +11,20 @@ pools and this app in one go; `tandem serve` does the same with clean teardown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayError
 
 from actors.protocol import EngineChunk
 from orchestrator.config import TandemConfig, parse_config
@@ -38,7 +41,8 @@ from orchestrator.openai_api import (
     reject_unsupported,
     usage,
 )
-from orchestrator.router import EngineRef, RequestTrace, Router
+from orchestrator.protocol import DeploymentStatus
+from orchestrator.router import EngineFailure, MigrationLimitError, NoEngineError, RequestTrace, Router, is_client_error
 
 logger = logging.getLogger("tandem.serve")
 
@@ -55,21 +59,36 @@ async def _unexpected(request: Request, err: Exception) -> JSONResponse:
 
 class IngressArgs(msgspec.Struct, frozen=True):
     config: dict[str, Any]
-    engines: list[EngineRef]
+    # The pool manager's actor name and namespace (orchestrator.pools), which every ingress
+    # replica asks for the engines in routing.
+    manager: str
+    namespace: str
     max_model_len: int
+
+
+# A client's own request id (header X-Request-Id, as vLLM's server takes it): it names the
+# request in every engine's logs, so it must be short and printable.
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+# /health and /metrics do not wait longer than this for the manager or an engine.
+PROBE_TIMEOUT_S = 5.0
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+# What a request can end with once the router has it: an engine's verdict on the input, or
+# no engine left to serve it.
+GENERATION_ERRORS = (RayError, EngineFailure, NoEngineError, MigrationLimitError)
+
+
 def _engine_error(err: Exception) -> ApiError:
-    """Map an engine-side failure: vLLM's own input checks are the client's fault (400)."""
-    cause = err.cause if isinstance(err, RayTaskError) else None
-    if isinstance(cause, (ValueError, TypeError)):
-        return ApiError(400, f"the engine rejected the request: {cause}")
-    if isinstance(err, RayActorError):
-        return ApiError(503, "an engine serving this request is unavailable; retry", kind="service_unavailable")
+    """Map a failure while generating: vLLM's own input checks are the client's fault (400);
+    no engine left, or too many moves, is the service's (503, retry later)."""
+    if is_client_error(err):
+        return ApiError(400, f"the engine rejected the request: {err.cause}")  # type: ignore[attr-defined]
+    if isinstance(err, (NoEngineError, MigrationLimitError, EngineFailure)):
+        return ApiError(503, str(err), kind="service_unavailable")
     return ApiError(500, f"internal error while generating: {err}", kind="internal_error")
 
 
@@ -87,18 +106,61 @@ class OpenAIIngress:
         # stall every other request's stream on the event loop; one thread, like vLLM's server,
         # because a Hugging Face tokenizer is not safe to call from two threads at once.
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
-        self.router = Router(args.engines, self.cfg.routing.policy, self.cfg.serve.stream_batch_ms / 1000)
+        self.manager = ray.get_actor(args.manager, namespace=args.namespace)
+        table = ray.get(self.manager.routing_table.remote(-1, 0))
+        self.table_version = table.version
+        self.router = Router(
+            table.engines,
+            self.cfg.routing,
+            self.cfg.serve.stream_batch_ms / 1000,
+            disaggregated=self.cfg.disaggregated,
+            report_failure=self._report_failure,
+        )
         self.metrics = TandemMetrics(self.cfg.serve.app_name)
+        self._watcher: asyncio.Task[None] | None = None
+
+    def _report_failure(self, failure: EngineFailure) -> None:
+        e = failure.engine
+        self.manager.report_failure.remote(e.engine_id, e.incarnation, failure.cause, failure.engine_down)
+
+    def _watch_routing(self) -> None:
+        """Keep the router's engines in step with the manager's routing table (started with
+        the first request: the replica's event loop runs by then)."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._follow_table())
+
+    async def _follow_table(self) -> None:
+        while True:
+            try:
+                table = await self.manager.routing_table.remote(self.table_version, 30.0)
+            except RayError as err:
+                logger.warning("could not read the routing table from the pool manager (%s); retrying", err)
+                await asyncio.sleep(1.0)
+                continue
+            if table.version != self.table_version:
+                self.router.set_engines(table.engines)
+                self.table_version = table.version
+
+    async def _status(self) -> DeploymentStatus | None:
+        try:
+            return await asyncio.wait_for(self.manager.status.remote(), PROBE_TIMEOUT_S)
+        except (RayError, asyncio.TimeoutError):
+            return None
 
     # ---- endpoints -------------------------------------------------------------------
 
     @api.get("/health")
     async def health(self) -> Response:
-        results = await asyncio.gather(*(e.handle.health.remote() for e in self.router.engines), return_exceptions=True)
-        bad = {e.engine_id: repr(r) for e, r in zip(self.router.engines, results) if isinstance(r, BaseException)}
-        if bad:
-            return JSONResponse({"status": "unhealthy", "engines": bad}, status_code=503)
-        return JSONResponse({"status": "ok", "engines": len(results)})
+        """200 while every pool has a healthy replica ("degraded" when some replica is not),
+        503 when a pool has none or the pool manager does not answer."""
+        self._watch_routing()
+        status = await self._status()
+        if status is None:
+            return JSONResponse({"status": "down", "error": "the pool manager did not answer"}, status_code=503)
+        pools = {
+            p.role: {"healthy": p.num_healthy, "replicas": {r.id: r.state for r in p.replicas}} for p in status.pools
+        }
+        return JSONResponse({"status": status.health, "pools": pools}, status_code=503 if status.health == "down" else 200)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -109,10 +171,17 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        stats = await asyncio.gather(*(e.handle.get_stats.remote() for e in self.router.engines), return_exceptions=True)
+        self._watch_routing()
+        engines = self.router.engines
+        stats, status = await asyncio.gather(
+            asyncio.gather(*(asyncio.wait_for(e.handle.get_stats.remote(), PROBE_TIMEOUT_S) for e in engines),
+                           return_exceptions=True),
+            self._status(),
+        )
         live = [s for s in stats if not isinstance(s, BaseException)]
         outstanding = {k: v for p in self.router.pools.values() for k, v in p.outstanding.items()}
-        return Response(self.metrics.render(live, outstanding), media_type="text/plain; version=0.0.4")
+        page = self.metrics.render(live, outstanding, status, self.router.stats)
+        return Response(page, media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -125,7 +194,11 @@ class OpenAIIngress:
     # ---- request handling ------------------------------------------------------------
 
     async def _handle(self, request: Request, endpoint: str) -> Response:
+        self._watch_routing()
         try:
+            own_id = request.headers.get("x-request-id")
+            if own_id is not None and not REQUEST_ID.match(own_id):
+                raise ApiError(400, "header X-Request-Id must be 1-128 letters, digits or . _ : -", param="X-Request-Id")
             body = await request.body()
             req: CompletionRequest | ChatCompletionRequest
             req = decode_request(body, ChatCompletionRequest if endpoint == "chat" else CompletionRequest)
@@ -137,7 +210,8 @@ class OpenAIIngress:
         except ApiError as err:
             self.metrics.observe_request(endpoint, err.status)
             return JSONResponse(err.body(), status_code=err.status)
-        rid = make_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        rid = f"{prefix}-{own_id}" if own_id else make_id(prefix)
         trace = RequestTrace()
         chunks = self.router.generate(rid, prompt_ids, sampling, trace)
         if req.stream:
@@ -200,11 +274,12 @@ class OpenAIIngress:
     ) -> Response:
         text, token_ids, last = [], [], None
         try:
-            async for c in chunks:
-                text.append(c.text)
-                token_ids.extend(c.token_ids)
-                last = c
-        except (RayActorError, RayTaskError) as err:
+            async with contextlib.aclosing(chunks):
+                async for c in chunks:
+                    text.append(c.text)
+                    token_ids.extend(c.token_ids)
+                    last = c
+        except GENERATION_ERRORS as err:
             api_err = _engine_error(err)
             self.metrics.observe_request(endpoint, api_err.status)
             return JSONResponse(api_err.body(), status_code=api_err.status)
@@ -247,11 +322,13 @@ class OpenAIIngress:
         try:
             if chat:
                 yield event(None, None, role=True)
-            async for c in chunks:
-                n_out += len(c.token_ids)
-                if c.text or c.finished:
-                    yield event(c.text, c.finish_reason if c.finished else None)
-        except (RayActorError, RayTaskError) as err:
+            # Closing the router's stream (the client left) aborts the request on its engines.
+            async with contextlib.aclosing(chunks):
+                async for c in chunks:
+                    n_out += len(c.token_ids)
+                    if c.text or c.finished:
+                        yield event(c.text, c.finish_reason if c.finished else None)
+        except GENERATION_ERRORS as err:
             yield _sse(_engine_error(err).body())
         else:
             self.metrics.observe_trace(trace, num_prompt, n_out)
@@ -260,11 +337,17 @@ class OpenAIIngress:
         yield b"data: [DONE]\n\n"
 
 
-def build_ingress(cfg: TandemConfig, engines: list[EngineRef], max_model_len: int) -> serve.Application:
-    """The Serve application for engines that are already running."""
+def build_ingress(cfg: TandemConfig, max_model_len: int) -> serve.Application:
+    """The Serve application for a deployment whose pool manager is running."""
     from orchestrator.config import to_dict
+    from orchestrator.pools import manager_name
 
-    return OpenAIIngress.bind(IngressArgs(config=to_dict(cfg), engines=engines, max_model_len=max_model_len))
+    return OpenAIIngress.bind(IngressArgs(
+        config=to_dict(cfg),
+        manager=manager_name(cfg.serve.app_name),
+        namespace=ray.get_runtime_context().namespace,
+        max_model_len=max_model_len,
+    ))
 
 
 def build_app(args: dict[str, str]) -> serve.Application:
@@ -286,5 +369,5 @@ def build_app(args: dict[str, str]) -> serve.Application:
     if not ray.is_initialized():
         init_ray(cfg, args.get("address"))
     deployment = Deployment(cfg)
-    engines = deployment.start()
-    return build_ingress(cfg, engines, min(i.max_model_len for i in deployment.infos))
+    deployment.start()
+    return build_ingress(cfg, min(i.max_model_len for i in deployment.infos))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ConfigError, TandemConfig, load_config, parse_config
-from orchestrator.deploy import kv_transfer_for
+from orchestrator.specs import kv_transfer_for
 from orchestrator.preflight import preflight
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from connectors.nixl import (
 from orchestrator.cluster import WORKER_NICENESS
 from orchestrator.config import ConfigError, NixlConfig, parse_config
 from benchmarks.scenarios import vllm_server_env
-from orchestrator.deploy import engine_env, kv_transfer_for, niceness_warning
+from orchestrator.specs import engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics
 from orchestrator.placement import EngineSlot, engine_cores, omp_binding, split_cores
 
@@ -243,7 +243,7 @@ def test_metrics_page_shows_the_slow_transfer_count() -> None:
 
 
 def _info(engine_id: str, niceness: int) -> EngineInfo:
-    return EngineInfo(engine_id, "decode", "node", "10.0.0.1", 1, 1024, 128, None, None, None, niceness)
+    return EngineInfo(engine_id, "decode", "i0", "node", "10.0.0.1", 1, [], 1024, 128, None, None, None, niceness)
 
 
 def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:

@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
-from orchestrator.router import EngineRef, RequestTrace, Router, stream_engine
+from orchestrator.config import RoutingConfig
+from orchestrator.protocol import EngineRef
+from orchestrator.router import RequestTrace, Router, stream_engine
 
 REQ = EngineRequest("r-1", [1, 2, 3], SamplingOptions(max_tokens=2))
 CHUNKS = [EngineChunk("a", [5]), EngineChunk("b", [6], finished=True, finish_reason="length")]
@@ -83,7 +85,7 @@ class RecordingEngine:
 
 def test_only_the_streaming_request_may_batch_tokens() -> None:
     prefill, decode = RecordingEngine(), RecordingEngine()
-    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], "round_robin", stream_batch_s=0.02)
+    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"), stream_batch_s=0.02)
 
     async def run() -> list[EngineChunk]:
         return [c async for c in router.generate("r-2", [1, 2, 3], SamplingOptions(max_tokens=4), RequestTrace())]

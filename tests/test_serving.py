@@ -19,7 +19,8 @@ from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.job import Running, running
-from orchestrator.router import EngineRef, stream_engine
+from orchestrator.protocol import EngineRef
+from orchestrator.router import stream_engine
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.engines
@@ -92,7 +93,13 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 def test_health_reports_every_engine(pd: Running) -> None:
     r = httpx.get(pd.url.removesuffix("/v1") + "/health", timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json() == {"status": "ok", "engines": 2}
+    assert r.json() == {
+        "status": "ok",
+        "pools": {
+            "prefill": {"healthy": 1, "replicas": {"prefill-0": "healthy"}},
+            "decode": {"healthy": 1, "replicas": {"decode-0": "healthy"}},
+        },
+    }
 
 
 def test_completion_with_usage(client: openai.OpenAI) -> None:

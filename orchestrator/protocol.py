@@ -1,0 +1,96 @@
+"""Control-plane messages: what the pool manager tells routers, the ingress and operators.
+
+Plain msgspec Structs with no behaviour, importable from every layer (the router, the Serve
+ingress, the `tandem status` CLI) without pulling in Ray Serve or vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from actors.protocol import Role
+
+# starting: placed, engine coming up for the first time; healthy: in routing; unhealthy:
+# failed a health check or a call, out of routing, about to restart; restarting: its process
+# is coming back (Ray restarts it in the same placement group); draining: out of routing
+# because the pool shrinks, stopped once its requests are done.
+ReplicaState = Literal["starting", "healthy", "unhealthy", "restarting", "draining"]
+REPLICA_STATES: tuple[ReplicaState, ...] = ("starting", "healthy", "unhealthy", "restarting", "draining")
+
+
+class EngineRef(msgspec.Struct, frozen=True):
+    """An engine as a router sees it: an id, a role, the Ray actor handle, and the
+    incarnation (process start) the handle reached when the engine was last seen healthy."""
+
+    engine_id: str
+    role: Role
+    handle: Any
+    incarnation: str = ""
+
+
+class RoutingTable(msgspec.Struct, frozen=True):
+    """The engines requests may go to now (healthy replicas only); `version` grows with
+    every change, so routers long-poll for the next one."""
+
+    version: int
+    engines: list[EngineRef]
+
+
+class ReplicaStatus(msgspec.Struct, frozen=True):
+    id: str
+    state: ReplicaState
+    # The node's IP and the pid of the actor process serving the replica (None while it
+    # has no live process).
+    node: str | None
+    pid: int | None
+    # Requests in flight on the engine at its last health check.
+    outstanding: int
+    # Times the replica's engine was restarted after a failure.
+    restarts: int
+    incarnation: str | None = None
+    # The last failure, in words (None when it never failed).
+    last_error: str | None = None
+
+
+class PoolStatus(msgspec.Struct, frozen=True):
+    role: Literal["prefill", "decode", "colocated"]
+    min_replicas: int
+    max_replicas: int
+    replicas: list[ReplicaStatus]
+
+    @property
+    def num_healthy(self) -> int:
+        return sum(r.state == "healthy" for r in self.replicas)
+
+
+class TierStatus(msgspec.Struct, frozen=True):
+    """The CPU tier's fill: blocks held over slots, per store and in all."""
+
+    blocks: int
+    capacity: int
+    pinned: int
+    # store id -> [blocks held, capacity in slots]
+    stores: dict[str, tuple[int, int]]
+
+
+class DeploymentStatus(msgspec.Struct, frozen=True):
+    app: str
+    pools: list[PoolStatus]
+    # None when the tier is off, or its index did not answer.
+    cpu_tier: TierStatus | None = None
+
+    @property
+    def health(self) -> Literal["ok", "degraded", "down"]:
+        """down: some role has no healthy replica; degraded: every role has one, not every replica is."""
+        if any(p.num_healthy == 0 for p in self.pools):
+            return "down"
+        if any(p.num_healthy < len(p.replicas) for p in self.pools):
+            return "degraded"
+        return "ok"
+
+
+def pool_role(role: Role) -> Literal["prefill", "decode", "colocated"]:
+    """The name operators see for an engine role ("both" engines form the colocated pool)."""
+    return "colocated" if role == "both" else role

@@ -1,0 +1,121 @@
+"""What each engine is told: its vLLM engine args, KV-connector config, environment and
+placement resources, derived from the config and the slot placement gave it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from actors.engine import EngineSpec
+from actors.kv_store import TierSettings
+from actors.protocol import EngineInfo, Role
+from orchestrator.cluster import WORKER_NICENESS
+from orchestrator.config import TandemConfig
+from orchestrator.models import hub_env
+from orchestrator.placement import EngineSlot
+
+KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = None) -> dict[str, Any] | None:
+    """The vLLM kv_transfer_config of an engine in `role` (None: no connector).
+
+    With the CPU tier enabled, the engine runs TandemMultiConnector with children
+    [P/D connector (disaggregated only), CPU tier connector]. `tier` is the engine's tier
+    settings (its node's store); None leaves the tier child's extra config empty, which is
+    enough for validation (orchestrator.preflight) but not for an engine.
+    """
+    kv = cfg.kv_transfer
+    children: list[dict[str, Any]] = []
+    if cfg.disaggregated:
+        from connectors.registry import tandem_module_path
+
+        pd: dict[str, Any] = {
+            "kv_connector": kv.connector,
+            "kv_role": KV_ROLES[role],
+            "kv_buffer_device": kv.buffer_device,
+            "kv_connector_extra_config": dict(kv.extra_config),
+        }
+        module_path = kv.module_path or tandem_module_path(kv.connector)
+        if module_path is not None:
+            pd["kv_connector_module_path"] = module_path
+        if module_path == "connectors.nixl":
+            pd["kv_connector_extra_config"].setdefault("tandem_nixl", msgspec.to_builtins(kv.nixl))
+        children.append(pd)
+    if cfg.cpu_tier.enabled:
+        children.append({
+            "kv_connector": cfg.cpu_tier.connector,
+            "kv_connector_module_path": cfg.cpu_tier.module_path,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": msgspec.to_builtins(tier) if tier is not None else {},
+        })
+    if not cfg.cpu_tier.enabled:
+        # A failed KV pull recomputes the prompt on the decode engine instead of ending the
+        # request with finish_reason "error" (vLLM's default policy is "fail").
+        return {**children[0], "kv_load_failure_policy": "recompute"} if children else None
+    # Even a lone tier child runs under the multi connector, which counts hits and fallbacks.
+    return {
+        "kv_connector": "TandemMultiConnector",
+        "kv_connector_module_path": "connectors.multi",
+        "kv_role": KV_ROLES[role],
+        "kv_buffer_device": kv.buffer_device,
+        # A failed load (a dead store, a lost block) recomputes instead of failing the request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": children},
+    }
+
+
+def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
+    """The engine process's environment: what vLLM only reads from env vars."""
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": slot.node_ip,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(slot.side_channel_port),
+    }
+    if cfg.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
+        if slot.cpu_binding is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_binding
+    env.update(hub_env(cfg.model.source))
+    if cfg.disaggregated:
+        env.update(cfg.kv_transfer.nixl.ucx_env)
+    return env
+
+
+def niceness_warning(infos: Sequence[EngineInfo]) -> str | None:
+    """What to tell the operator when engines run at a lower priority than Tandem's embedded
+    Ray gives them (orchestrator/cluster.py); None when none does."""
+    lowered = [i for i in infos if i.niceness > WORKER_NICENESS]
+    if not lowered:
+        return None
+    return (
+        f"engines {[i.engine_id for i in lowered]} run at niceness {max(i.niceness for i in lowered)} "
+        "(Ray's default for worker processes is 15), so any busy process on their hosts takes CPU time from "
+        f"their schedulers and forward passes. Start the cluster with RAY_worker_niceness={WORKER_NICENESS} "
+        "in the environment of `ray start`, as Tandem's embedded Ray does"
+    )
+
+
+def engine_spec(cfg: TandemConfig, role: Role, engine_id: str, slot: EngineSlot, tier: TierSettings | None) -> EngineSpec:
+    """Everything engine `engine_id` of pool `role` needs to start in `slot`."""
+    pool = cfg.pools[role]
+    engine_args = cfg.engine_args_for(role)
+    if cfg.cpu_tier.enabled:
+        # The tier connector handles one KV cache group (no hybrid KV cache manager).
+        engine_args = {**engine_args, "disable_hybrid_kv_cache_manager": True}
+    if cfg.device == "cuda" and pool.tensor_parallel_size > 1:
+        # One Ray worker per TP rank, in the replica's GPU bundles (placement.placement_bundles).
+        engine_args = {"distributed_executor_backend": "ray", **engine_args}
+    return EngineSpec(
+        engine_id=engine_id,
+        role=role,
+        model_path=slot.model_path,
+        served_name=cfg.model.name,
+        engine_args=engine_args,
+        tensor_parallel_size=pool.tensor_parallel_size,
+        kv_transfer=kv_transfer_for(cfg, role, tier),
+        cores=slot.cores,
+        slow_transfer_s=cfg.kv_transfer.slow_transfer_s,
+        node_id=slot.node_id,
+    )

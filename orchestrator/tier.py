@@ -1,0 +1,102 @@
+"""The CPU KV tier's actors of one deployment: the index, and a store on every node that hosts
+engines (created when the first engine lands there, so pools that grow onto new nodes get one).
+
+Both kinds of actor are restarted by Ray when they die (the tier may come back empty; engines
+recompute meanwhile). The pool manager owns this object and tells it when an engine dies, so
+the index releases that engine's pins and slots at once instead of at their leases' end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.kv_index import KVIndexActor
+from actors.kv_store import KVStoreActor, TierSettings, index_actor_name, store_actor_name
+from actors.protocol import Role
+from orchestrator.config import TandemConfig
+from orchestrator.protocol import TierStatus
+
+logger = logging.getLogger("tandem.tier")
+
+# How long a store may take to allocate and register its pool.
+STORE_START_TIMEOUT_S = 600.0
+
+
+class TierError(RuntimeError):
+    """A store could not start; the message says what to check."""
+
+
+class CpuTier:
+    def __init__(self, cfg: TandemConfig, namespace: str, gcs_address: str) -> None:
+        self.cfg = cfg
+        self.namespace = namespace
+        self.gcs_address = gcs_address
+        self.app = cfg.serve.app_name
+        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app)).remote()
+        self.stores: dict[str, Any] = {}
+        self._starting: dict[str, asyncio.Task[None]] = {}
+
+    async def ensure_store(self, node_id: str) -> None:
+        """Start the store of `node_id` unless it runs (concurrent callers share one start)."""
+        if node_id in self.stores:
+            return
+        if node_id not in self._starting:
+            self._starting[node_id] = asyncio.ensure_future(self._start_store(node_id))
+        await self._starting[node_id]
+
+    async def _start_store(self, node_id: str) -> None:
+        size = self.cfg.cpu_tier.size_gib
+        store = KVStoreActor.options(
+            name=store_actor_name(self.app, node_id),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id[:12], int(size * 2**30), index_actor_name(self.app), self.namespace)
+        try:
+            await asyncio.wait_for(store.info.remote(), STORE_START_TIMEOUT_S)
+        except Exception as err:
+            ray.kill(store, no_restart=True)
+            raise TierError(
+                f"the CPU tier store of node {node_id} did not start ({err}); check that the node has "
+                f"{size} GiB of free host memory (cpu_tier.size_gib) and that nixl is installed"
+            ) from err
+        self.stores[node_id] = store
+        logger.info("CPU tier store of node %s up: %.2f GiB", node_id[:12], size)
+
+    def settings(self, role: Role, node_id: str) -> TierSettings:
+        """How an engine of `role` on `node_id` reaches the tier (its node's store)."""
+        tier = self.cfg.cpu_tier
+        return TierSettings(
+            ray_address=self.gcs_address,
+            namespace=self.namespace,
+            index_actor=index_actor_name(self.app),
+            store_id=node_id[:12] if role in tier.save_from else None,
+            load=role in tier.load_into,
+        )
+
+    def release_engine(self, owner: str) -> None:
+        """An engine incarnation died: free its pins and slots now (fire and forget; the
+        index's leases are the backstop if this call is lost)."""
+        self.index.release_owner.remote(owner)
+
+    async def status(self) -> TierStatus | None:
+        try:
+            stats = await asyncio.wait_for(self.index.get_stats.remote(), 5.0)
+        except Exception:  # the index is restarting or gone: the tier's fill is unknown
+            return None
+        stores = {sid: (held, cap) for sid, (held, cap) in stats.stores.items()}
+        return TierStatus(
+            blocks=stats.num_blocks,
+            capacity=sum(cap for _, cap in stores.values()),
+            pinned=stats.num_pinned,
+            stores=stores,
+        )
+
+    def stop(self) -> None:
+        for actor in [*self.stores.values(), self.index]:
+            ray.kill(actor, no_restart=True)
+        logger.info("stopped the CPU tier (%d stores)", len(self.stores))
+        self.stores = {}
