@@ -10,18 +10,54 @@ slots of one KV block (all layers); eviction is least-recently-used among unpinn
 committed blocks of the store that needs room. A store that restarts registers a new
 incarnation and the index forgets every block of the old one.
 
+Safety under faults. Stores' pools are written and read with one-sided NIXL transfers that
+the index never sees, so a slot must not be handed out again while a transfer may still
+touch it:
+- every pin and grant has an owner (an engine incarnation); ``release_owner`` drops a dead
+  engine's pins and reclaims its uncommitted grants, whose slots rest in a quarantine first
+  (a WRITE the dead process posted may still land);
+- leases reclaim what nobody released (a lost unpin, an engine that died unnoticed);
+- an index that restarted comes back empty, finds the deployment's live stores, and grants
+  nothing for a while, because READs planned from its previous life's answers may still be
+  in flight against slots it no longer knows are in use.
+
 ``KVIndex`` is plain logic (unit-tested); ``KVIndexActor`` is its Ray actor.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import ray
 
 logger = logging.getLogger("tandem.kv_index")
+
+# Slots reclaimed from a dead owner or an expired grant rest this long before reuse: a
+# one-sided WRITE posted just before its process died may still land. Transfers to or from a
+# dead peer fail within about 0.1 s over UCX (measured with nixl 1.5.1 on TCP), so 2 s is a
+# wide margin that costs little capacity.
+SLOT_QUARANTINE_S = 2.0
+# An uncommitted grant older than this is reclaimed: a healthy worker writes and commits (or
+# gives back) within the engine step that asked for it, milliseconds; a grant this old
+# belongs to an engine that died without ``release_owner`` (or a store stalled for a minute).
+GRANT_LEASE_S = 60.0
+# A pin older than this is dropped: a lookup's answer is used within LOOKUP_FRESH_S (5 s,
+# connectors.offload) and a healthy load takes milliseconds to seconds, so a pin this old was
+# lost (an unpin that never arrived, a dead engine). Longer than the grant lease because an
+# early expiry costs a wrong load, a late one only capacity.
+PIN_LEASE_S = 120.0
+# A restarted index grants nothing this long: READs planned from its previous life's answers
+# (answers are used for at most LOOKUP_FRESH_S = 5 s, loads take ms to seconds) must end
+# before any slot can be written again. Lookups miss meanwhile; engines recompute.
+RESTART_QUARANTINE_S = 30.0
+# How often a restarted index retries finding the deployment's stores when the search fails.
+STORE_SEARCH_RETRY_S = 5.0
 
 
 class StoreEndpoint(msgspec.Struct, frozen=True):
@@ -52,10 +88,20 @@ class LookupReply(msgspec.Struct, frozen=True):
 class Grant(msgspec.Struct, frozen=True):
     """Slots granted for a save: ``slots[i]`` is where ``hashes[i]`` goes."""
 
+    # Unique across index restarts, so a commit can only ever settle the grant it names.
+    grant_id: str
     store_id: str
     incarnation: str
     hashes: list[bytes]
     slots: list[int]
+
+
+class OwnerRelease(msgspec.Struct, frozen=True):
+    """What ``release_owner`` reclaimed from a dead engine incarnation."""
+
+    num_pins: int  # lookups whose pins were dropped
+    num_grants: int  # uncommitted grants reclaimed
+    num_slots: int  # their slots, now in quarantine
 
 
 class IndexStats(msgspec.Struct):
@@ -66,17 +112,25 @@ class IndexStats(msgspec.Struct):
     num_saved_blocks: int = 0
     num_evicted_blocks: int = 0
     num_forgotten_blocks: int = 0
+    # Open (uncommitted) grants, and slots resting in quarantine before reuse.
+    num_open_grants: int = 0
+    num_quarantined_slots: int = 0
+    # Pins and grants reclaimed by their lease (nobody released them).
+    num_expired_pins: int = 0
+    num_expired_grants: int = 0
     # store id -> (blocks held, capacity in slots)
     stores: dict[str, tuple[int, int]] = {}
 
 
 class _Entry:
-    __slots__ = ("store_id", "slot", "committed", "pins")
+    """A held block; ``grant_id`` is set while it is being written (not loadable yet)."""
 
-    def __init__(self, store_id: str, slot: int) -> None:
+    __slots__ = ("store_id", "slot", "grant_id", "pins")
+
+    def __init__(self, store_id: str, slot: int, grant_id: str) -> None:
         self.store_id = store_id
         self.slot = slot
-        self.committed = False
+        self.grant_id: str | None = grant_id
         self.pins = 0
 
 
@@ -89,25 +143,56 @@ class _Store:
         self.free = list(range(num_slots - 1, -1, -1))
 
 
-class KVIndex:
-    """Block hash -> (store, slot), per-store capacity, LRU eviction, pins."""
+class _OpenGrant:
+    __slots__ = ("owner", "store_id", "hashes", "entries", "created")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str, store_id: str, created: float) -> None:
+        self.owner = owner
+        self.store_id = store_id
+        self.hashes: list[bytes] = []
+        self.entries: list[_Entry] = []
+        self.created = created
+
+
+class _Pin:
+    __slots__ = ("entries", "created")
+
+    def __init__(self, entries: list[_Entry], created: float) -> None:
+        self.entries = entries
+        self.created = created
+
+
+class KVIndex:
+    """Block hash -> (store, slot), per-store capacity, LRU eviction, owned pins and grants
+    with leases, and a quarantine for slots a transfer may still touch."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, hold_grants_s: float = 0.0) -> None:
+        """`hold_grants_s`: grant nothing for this long (a restarted index, see
+        RESTART_QUARANTINE_S). `clock` is injectable so tests can step time."""
+        self._clock = clock
+        self._grants_from = clock() + hold_grants_s
+        # Makes grant ids unique across restarts: a commit meant for a previous life's grant
+        # can never settle one of this life.
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._num_grants = 0
         # Bytes of one slot (one KV block of every layer); fixed by the first engine.
         self.slot_bytes: int | None = None
         self._stores: dict[str, _Store] = {}
         # Every held block, least recently used first.
         self._blocks: OrderedDict[bytes, _Entry] = OrderedDict()
-        # pin key (engine id + request id) -> pinned hashes
-        self._pins: dict[str, list[bytes]] = {}
-        # Fault injection: the next N lookups return invalid slots from this block on.
-        self._corrupt: tuple[int, int] = (0, 0)
+        # pin key (owner + "/" + request id) -> pinned entries, oldest first
+        self._pins: dict[str, _Pin] = {}
+        # grant id -> open grant, oldest first
+        self._grants: dict[str, _OpenGrant] = {}
+        # (free again at, store id, incarnation, slot), in time order
+        self._quarantine: deque[tuple[float, str, str, int]] = deque()
         self.stats = IndexStats()
 
     # ---- stores ----
 
     def set_slot_bytes(self, slot_bytes: int) -> None:
-        """Called by each engine worker at start; every engine of a deployment must agree."""
+        """Every engine worker sends its slot size (at start and with each allocate); every
+        engine of a deployment must agree."""
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         if self.slot_bytes is None:
@@ -121,29 +206,43 @@ class KVIndex:
             )
 
     def register_store(self, endpoint: StoreEndpoint) -> None:
-        """A store (re)started: forget whatever the previous incarnation held."""
+        """A store (re)started: forget whatever the previous incarnation held. Registering the
+        incarnation already known changes nothing (a store and a restarted index may both
+        announce it)."""
+        known = self._stores.get(endpoint.store_id)
+        if known is not None and known.endpoint.incarnation == endpoint.incarnation:
+            return
         self.forget_store(endpoint.store_id)
         num_slots = endpoint.pool_bytes // self.slot_bytes if self.slot_bytes else 0
         self._stores[endpoint.store_id] = _Store(endpoint, num_slots)
 
     def forget_store(self, store_id: str) -> int:
-        """Drop a store and every block it held (pins included); returns blocks dropped."""
+        """Drop a store with every block and grant it held (its pool is gone, so no slot of it
+        can be reused); returns blocks dropped."""
         if self._stores.pop(store_id, None) is None:
             return 0
         dropped = [h for h, e in self._blocks.items() if e.store_id == store_id]
         for h in dropped:
             del self._blocks[h]
+        for grant_id in [g for g, grant in self._grants.items() if grant.store_id == store_id]:
+            del self._grants[grant_id]
+        self._quarantine = deque(q for q in self._quarantine if q[1] != store_id)
         self.stats.num_forgotten_blocks += len(dropped)
         return len(dropped)
 
     def clear(self) -> int:
-        """Flush the tier (every store stays registered); returns blocks dropped. Loads
-        already planned may then read overwritten slots: use it on an idle deployment."""
+        """Flush the tier (every store stays registered); returns blocks dropped. Slots of
+        open grants and pinned blocks go through quarantine, but a load planned before the
+        flush may still read an overwritten slot later: use it on an idle deployment."""
         dropped = len(self._blocks)
+        for e in self._blocks.values():
+            if e.pins or e.grant_id is not None:
+                self._quarantine_slot(e)
+            else:
+                self._stores[e.store_id].free.append(e.slot)
         self._blocks.clear()
         self._pins.clear()
-        for store_id, store in list(self._stores.items()):
-            self._stores[store_id] = _Store(store.endpoint, store.num_slots)
+        self._grants.clear()
         return dropped
 
     def endpoint(self, store_id: str) -> StoreEndpoint | None:
@@ -157,106 +256,161 @@ class KVIndex:
     # ---- loads ----
 
     def lookup(self, pin_key: str, hashes: list[bytes]) -> LookupReply:
-        """The longest run of committed blocks from hashes[0], pinned under `pin_key` until
-        ``unpin(pin_key)``, and marked most recently used."""
+        """The longest run of committed blocks from hashes[0], pinned under `pin_key`
+        (``owner + "/" + request id``) until ``unpin(pin_key)``, ``release_owner(owner)`` or
+        PIN_LEASE_S, and marked most recently used."""
+        self._expire()
         self.unpin(pin_key)
         self.stats.num_lookups += 1
         locations: list[BlockLocation] = []
-        pinned: list[bytes] = []
+        pinned: list[_Entry] = []
         for h in hashes:
             e = self._blocks.get(h)
-            if e is None or not e.committed:
+            if e is None or e.grant_id is not None:
                 break
             store = self._stores[e.store_id]
             locations.append(BlockLocation(e.store_id, store.endpoint.incarnation, e.slot))
             e.pins += 1
-            pinned.append(h)
+            pinned.append(e)
             self._blocks.move_to_end(h)
         if pinned:
-            self._pins[pin_key] = pinned
+            self._pins[pin_key] = _Pin(pinned, self._clock())
         self.stats.num_hit_blocks += len(locations)
-        count, after = self._corrupt
-        if count and locations:
-            self._corrupt = (count - 1, after)
-            locations = locations[:after] + [
-                BlockLocation(loc.store_id, loc.incarnation, self._stores[loc.store_id].num_slots + 1_000_000)
-                for loc in locations[after:]
-            ]
         return LookupReply(locations)
 
     def unpin(self, pin_key: str) -> None:
         """Release a lookup's pins (after its load, or when the request ends); idempotent."""
-        for h in self._pins.pop(pin_key, ()):
-            e = self._blocks.get(h)
-            if e is not None:
+        pin = self._pins.pop(pin_key, None)
+        if pin is not None:
+            for e in pin.entries:
                 e.pins -= 1
-
-    def corrupt_next_lookups(self, count: int, after_blocks: int) -> None:
-        """Fault injection for tests and drills: the next `count` lookups with hits return
-        slots past the pool from block `after_blocks` on, so the engine's load fails there."""
-        self._corrupt = (count, after_blocks)
 
     # ---- saves ----
 
-    def allocate(self, store_id: str, hashes: list[bytes]) -> Grant | None:
+    def allocate(self, store_id: str, hashes: list[bytes], owner: str, slot_bytes: int | None = None) -> Grant | None:
         """Reserve slots in `store_id` for the hashes not held anywhere (held ones are only
-        touched). Evicts LRU blocks of that store when full; grants fewer (a prefix of the
-        new hashes) when the rest of the store is pinned. None: unknown or unsized store."""
+        touched), owned by `owner` until committed. Evicts LRU blocks of that store when full;
+        grants fewer (a prefix of the new hashes) when the rest of the store is pinned or in
+        quarantine. `slot_bytes` (the engine's) sizes the stores of an index that restarted
+        empty. None: unknown or unsized store, or an index still in its restart quarantine."""
+        if slot_bytes is not None:
+            self.set_slot_bytes(slot_bytes)
+        self._expire()
         store = self._stores.get(store_id)
-        if store is None or store.num_slots == 0:
+        if store is None or store.num_slots == 0 or self._clock() < self._grants_from:
             return None
-        granted: list[bytes] = []
+        self._num_grants += 1
+        grant_id = f"{self._incarnation}-{self._num_grants}"
+        grant = _OpenGrant(owner, store_id, self._clock())
         slots: list[int] = []
         for h in hashes:
             if h in self._blocks:
                 self._blocks.move_to_end(h)
                 continue
-            if h in granted:
-                continue
             if not store.free and not self._evict_one(store_id):
                 break
-            slot = store.free.pop()
-            self._blocks[h] = _Entry(store_id, slot)
-            granted.append(h)
-            slots.append(slot)
-        return Grant(store_id, store.endpoint.incarnation, granted, slots)
+            e = self._blocks[h] = _Entry(store_id, store.free.pop(), grant_id)
+            grant.hashes.append(h)
+            grant.entries.append(e)
+            slots.append(e.slot)
+        if grant.entries:
+            self._grants[grant_id] = grant
+        return Grant(grant_id, store_id, store.endpoint.incarnation, grant.hashes, slots)
 
     def commit(self, grant: Grant, ok: bool) -> None:
-        """The worker wrote (ok) or failed to write a grant's blocks: make them loadable, or
-        give their slots back. A grant of a forgotten incarnation is ignored."""
-        store = self._stores.get(grant.store_id)
-        if store is None or store.endpoint.incarnation != grant.incarnation:
+        """The worker's transfer into a grant's slots has ended: it wrote them (ok: make the
+        blocks loadable) or failed (free the slots now; the caller guarantees no transfer of
+        the grant is still in flight). A grant already reclaimed (released owner, expired
+        lease, forgotten store, previous index life) is ignored."""
+        self._expire()
+        open_grant = self._grants.pop(grant.grant_id, None)
+        if open_grant is None:
             return
-        for h, slot in zip(grant.hashes, grant.slots):
-            e = self._blocks.get(h)
-            if e is None or e.store_id != grant.store_id or e.slot != slot:
+        store = self._stores[open_grant.store_id]
+        for h, e in zip(open_grant.hashes, open_grant.entries):
+            if self._blocks.get(h) is not e:
                 continue
             if ok:
-                e.committed = True
+                e.grant_id = None
                 self.stats.num_saved_blocks += 1
             else:
                 del self._blocks[h]
-                store.free.append(slot)
+                store.free.append(e.slot)
 
     def _evict_one(self, store_id: str) -> bool:
         for h, e in self._blocks.items():
-            if e.store_id == store_id and e.committed and e.pins == 0:
+            if e.store_id == store_id and e.grant_id is None and e.pins == 0:
                 del self._blocks[h]
                 self._stores[store_id].free.append(e.slot)
                 self.stats.num_evicted_blocks += 1
                 return True
         return False
 
+    # ---- owners, leases, quarantine ----
+
+    def release_owner(self, owner: str) -> OwnerRelease:
+        """An engine incarnation died: drop every pin under ``owner + "/"`` and reclaim its
+        open grants (slots through quarantine: its last WRITEs may still land)."""
+        self._expire()
+        prefix = owner + "/"
+        pin_keys = [key for key in self._pins if key.startswith(prefix)]
+        for key in pin_keys:
+            self.unpin(key)
+        grant_ids = [g for g, grant in self._grants.items() if grant.owner == owner]
+        num_slots = sum(self._reclaim(self._grants.pop(g)) for g in grant_ids)
+        return OwnerRelease(len(pin_keys), len(grant_ids), num_slots)
+
+    def _reclaim(self, grant: _OpenGrant) -> int:
+        """Drop an open grant's blocks and quarantine their slots; returns slots reclaimed."""
+        num = 0
+        for h, e in zip(grant.hashes, grant.entries):
+            if self._blocks.get(h) is e:
+                del self._blocks[h]
+                self._quarantine_slot(e)
+                num += 1
+        return num
+
+    def _quarantine_slot(self, e: _Entry) -> None:
+        store = self._stores.get(e.store_id)
+        if store is not None:
+            self._quarantine.append((self._clock() + SLOT_QUARANTINE_S, e.store_id, store.endpoint.incarnation, e.slot))
+
+    def _expire(self) -> None:
+        """Reclaim pins and grants past their lease and free slots out of quarantine. Pins,
+        grants and quarantined slots are kept in time order, so this stops at the first one
+        still valid."""
+        now = self._clock()
+        while self._pins:
+            key, pin = next(iter(self._pins.items()))
+            if now - pin.created < PIN_LEASE_S:
+                break
+            self.unpin(key)
+            self.stats.num_expired_pins += 1
+        while self._grants:
+            grant_id, grant = next(iter(self._grants.items()))
+            if now - grant.created < GRANT_LEASE_S:
+                break
+            self._reclaim(self._grants.pop(grant_id))
+            self.stats.num_expired_grants += 1
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, store_id, incarnation, slot = self._quarantine.popleft()
+            store = self._stores.get(store_id)
+            if store is not None and store.endpoint.incarnation == incarnation:
+                store.free.append(slot)
+
     # ---- introspection ----
 
     def contains(self, h: bytes) -> bool:
         e = self._blocks.get(h)
-        return e is not None and e.committed
+        return e is not None and e.grant_id is None
 
     def get_stats(self) -> IndexStats:
+        self._expire()
         s = self.stats
         s.num_blocks = len(self._blocks)
         s.num_pinned = sum(1 for e in self._blocks.values() if e.pins > 0)
+        s.num_open_grants = len(self._grants)
+        s.num_quarantined_slots = len(self._quarantine)
         held: dict[str, int] = {sid: 0 for sid in self._stores}
         for e in self._blocks.values():
             held[e.store_id] = held.get(e.store_id, 0) + 1
@@ -264,14 +418,42 @@ class KVIndex:
         return s
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class KVIndexActor:
     """The index behind Ray calls. Calls are cheap and serialised by the actor; they carry
-    hashes and slot numbers only. It is not restarted: without it, connectors treat every
-    lookup as a miss and skip saves, so engines keep serving by recomputing."""
+    hashes and slot numbers only.
 
-    def __init__(self) -> None:
-        self.index = KVIndex()
+    Ray restarts it when it dies; it comes back empty (connectors see misses and skipped
+    saves meanwhile, so engines keep serving by recomputing), grants nothing for
+    `restart_quarantine_s`, and finds the live stores of `app_name` by their actor names
+    (``actors.kv_store.store_actor_name``) to register them again. Calls in flight when it
+    dies fail rather than being retried (``max_task_retries=0``): a retried allocate or
+    lookup would pin or reserve for a caller that already gave up on it."""
+
+    def __init__(
+        self,
+        app_name: str | None = None,
+        namespace: str | None = None,
+        restart_quarantine_s: float = RESTART_QUARANTINE_S,
+    ) -> None:
+        """`app_name`/`namespace`: whose stores to look for after a restart (None: never look;
+        namespace None: this job's)."""
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.index = KVIndex(hold_grants_s=restart_quarantine_s if restarted else 0.0)
+        self._store_search: _StoreSearch | None = None
+        if restarted:
+            logger.warning("CPU tier index restarted empty; granting no slots for %.0f s", restart_quarantine_s)
+            if app_name is not None:
+                self._store_search = _StoreSearch(app_name, namespace or ray.get_runtime_context().namespace)
+
+    def _adopt_stores(self) -> None:
+        if self._store_search is None:
+            return
+        for endpoint in self._store_search.poll():
+            if self.index.endpoint(endpoint.store_id) is None:  # the store's own registration wins
+                self.register_store(endpoint)
+        if self._store_search.done:
+            self._store_search = None
 
     def set_slot_bytes(self, slot_bytes: int) -> None:
         self.index.set_slot_bytes(slot_bytes)
@@ -292,22 +474,81 @@ class KVIndexActor:
         return dropped
 
     def endpoint(self, store_id: str) -> StoreEndpoint | None:
+        self._adopt_stores()
         return self.index.endpoint(store_id)
 
     def lookup(self, pin_key: str, hashes: list[bytes]) -> LookupReply:
+        self._adopt_stores()
         return self.index.lookup(pin_key, hashes)
 
     def unpin(self, pin_key: str) -> None:
         self.index.unpin(pin_key)
 
-    def allocate(self, store_id: str, hashes: list[bytes]) -> Grant | None:
-        return self.index.allocate(store_id, hashes)
+    def allocate(self, store_id: str, hashes: list[bytes], owner: str, slot_bytes: int | None = None) -> Grant | None:
+        self._adopt_stores()
+        return self.index.allocate(store_id, hashes, owner, slot_bytes)
 
     def commit(self, grant: Grant, ok: bool) -> None:
         self.index.commit(grant, ok)
 
-    def corrupt_next_lookups(self, count: int, after_blocks: int) -> None:
-        self.index.corrupt_next_lookups(count, after_blocks)
+    def release_owner(self, owner: str) -> OwnerRelease:
+        """Called by the control plane when it sees an engine incarnation die."""
+        released = self.index.release_owner(owner)
+        logger.info("CPU tier released engine %s: %d lookups' pins, %d grants (%d slots in quarantine)",
+                    owner, released.num_pins, released.num_grants, released.num_slots)
+        return released
 
     def get_stats(self) -> IndexStats:
+        self._adopt_stores()
         return self.index.get_stats()
+
+
+class _StoreSearch:
+    """A restarted index's search for the live stores of its deployment. Never blocks a call
+    on a store: it asks each for its endpoint and collects the answers on later calls (a
+    store that is itself starting may be waiting on this very index)."""
+
+    def __init__(self, app_name: str, namespace: str) -> None:
+        # Imported here: actors.kv_store imports this module.
+        from actors.kv_store import store_actor_name
+
+        self.prefix = store_actor_name(app_name, "")
+        self.namespace = namespace
+        self.pending: list[Any] = []
+        self.searched = False
+        self.last_try = time.monotonic()
+        self._search()
+
+    @property
+    def done(self) -> bool:
+        return self.searched and not self.pending
+
+    def poll(self) -> list[StoreEndpoint]:
+        """Endpoints answered since the last poll; retries a search that failed."""
+        if not self.searched and time.monotonic() - self.last_try >= STORE_SEARCH_RETRY_S:
+            self.last_try = time.monotonic()
+            self._search()
+        if not self.pending:
+            return []
+        ready, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
+        endpoints = []
+        for ref in ready:
+            try:
+                endpoints.append(ray.get(ref))
+            except Exception as err:  # that store died; its restart registers itself
+                logger.warning("CPU tier index: a store did not answer after the index restarted: %s", err)
+        return endpoints
+
+    def _search(self) -> None:
+        try:
+            names = [
+                a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == self.namespace and a["name"].startswith(self.prefix)
+            ]
+            self.pending = [ray.get_actor(name, namespace=self.namespace).info.remote() for name in names]
+        except Exception as err:
+            logger.warning("CPU tier index: could not list the stores (%s); retrying in %.0f s",
+                           err, STORE_SEARCH_RETRY_S)
+            return
+        self.searched = True
+        logger.info("CPU tier index: re-registering %d store(s) after its restart", len(names))

@@ -11,7 +11,8 @@ complete); it is built with a nonzero progress delay so it does not spin a whole
 transfer and drive their own progress by polling, so they run without the thread.
 
 A store is restartable (``max_restarts``): a restart allocates a fresh pool, registers a
-new incarnation with the index, and the index forgets the old incarnation's blocks.
+new incarnation with the index, and the index forgets the old incarnation's blocks. When
+the index itself restarts, it asks the live stores for their endpoints (by actor name).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from actors.kv_index import StoreEndpoint
 from connectors.offload_worker import make_nixl_agent
 
 logger = logging.getLogger("tandem.kv_store")
+
+# How long a starting store waits for the index to take its registration. An index that is
+# restarting answers once it is back; past this the store starts unregistered and the
+# restarted index finds it by name (actors.kv_index.KVIndexActor).
+REGISTER_TIMEOUT_S = 60.0
 
 
 class TierSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,8 +95,12 @@ class KVStoreActor:
             base_addr=self.pool.ctypes.data,
             pool_bytes=pool_bytes,
         )
-        index = ray.get_actor(index_name, namespace=namespace)
-        ray.get(index.register_store.remote(self.endpoint))
+        try:
+            index = ray.get_actor(index_name, namespace=namespace)
+            ray.get(index.register_store.remote(self.endpoint), timeout=REGISTER_TIMEOUT_S)
+        except Exception as err:  # a store that fails its constructor is never restarted again
+            logger.warning("CPU tier store %s could not register with the index (%s); the index registers "
+                           "it when it comes back", store_id, err)
         logger.info("CPU tier store %s up: %.2f GiB pool, incarnation %s",
                     store_id, pool_bytes / 2**30, self.incarnation)
 

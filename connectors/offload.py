@@ -15,6 +15,12 @@ Worker role (next to the KV cache): moves the bytes through NIXL, see
 ``connectors.offload_worker``. Both run in the engine process, which joins the Ray cluster
 as a driver to reach the actors; Ray calls carry hashes and slot numbers, never KV bytes.
 
+The engine's ``kv_transfer_config.engine_id`` names it in the index: pin keys are
+``<engine_id>/<request id>`` and grants are owned by ``<engine_id>``, so the control plane
+can release whatever a dead engine held with ``KVIndexActor.release_owner(engine_id)``.
+The index may be missing or restarting at any time (``IndexLink``): lookups then miss and
+saves are skipped, and the engine serves by computing.
+
 Why not vLLM's OffloadingConnector with an out-of-tree OffloadingSpec: see docs/cpu-tier.md
 (it asserts that no transfer fails, so a dead store would crash the engine instead of
 recomputing).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +65,13 @@ logger = logging.getLogger("tandem.cpu_tier")
 LOOKUP_WAIT_S = 0.01
 # A lookup unanswered after this long counts as a miss (the request is admitted cold).
 LOOKUP_TIMEOUT_S = 2.0
+# An answer older than this is looked up again before a load is planned from it: its pins may
+# have lapsed (actors.kv_index.PIN_LEASE_S) or the index may have restarted since, and only
+# fresh answers are covered by a restarted index's quarantine (RESTART_QUARANTINE_S).
+LOOKUP_FRESH_S = 5.0
+# While the index actor cannot be found by name, the search is retried this often (each try
+# is one GCS call, made on the engine's step path).
+INDEX_RETRY_S = 5.0
 
 
 class LoadJob(msgspec.Struct, frozen=True):
@@ -95,13 +109,36 @@ class TierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def _join_ray(settings: TierSettings) -> Any:
-    """Connect this engine process to the cluster (once) and return the index actor."""
+def _join_ray(settings: TierSettings) -> None:
+    """Connect this engine process to the cluster (once)."""
     if not ray.is_initialized():
         ray.init(address=settings.ray_address, namespace=settings.namespace,
                  log_to_driver=False, logging_level=logging.WARNING)
         _stop_error_listener()
-    return ray.get_actor(settings.index_actor, namespace=settings.namespace)
+
+
+class IndexLink:
+    """The index actor's handle, found by name. An engine starts and serves while the index
+    cannot be found (not created yet, or gone): callers treat None as "no tier right now",
+    and the search is retried at most every INDEX_RETRY_S. A restarting actor keeps its name
+    and handle, so a handle once found stays good across the index's restarts."""
+
+    def __init__(self, name: str, namespace: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.namespace = namespace
+        self._clock = clock
+        self._handle: Any = None
+        self._next_try = float("-inf")
+
+    def get(self) -> Any | None:
+        if self._handle is None and self._clock() >= self._next_try:
+            self._next_try = self._clock() + INDEX_RETRY_S
+            try:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+            except Exception as err:
+                logger.warning("CPU tier index %r not found (%s); serving without the tier, retrying in %.0f s",
+                               self.name, err, INDEX_RETRY_S)
+        return self._handle
 
 
 def _stop_error_listener() -> None:
@@ -128,15 +165,19 @@ def _stop_error_listener() -> None:
 
 
 class _Pending:
-    """An in-flight or answered lookup of one request."""
+    """An in-flight or answered lookup of one request (`ref` None: no index to ask, a miss)."""
 
     __slots__ = ("ref", "started", "first_block", "locations")
 
-    def __init__(self, ref: Any, first_block: int) -> None:
+    def __init__(self, ref: Any | None, first_block: int) -> None:
         self.ref = ref
         self.started = time.monotonic()
         self.first_block = first_block
-        self.locations: list[BlockLocation] | None = None
+        self.locations: list[BlockLocation] | None = None if ref is not None else []
+
+    @property
+    def stale(self) -> bool:
+        return self.locations is not None and time.monotonic() - self.started > LOOKUP_FRESH_S
 
 
 class TandemCpuTierConnector(KVConnectorBase_V1):
@@ -152,16 +193,18 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
-        self.index = _join_ray(self.settings)
-        self.worker = CpuTierWorker(self.index, self.settings.store_id, self.engine_id) if role == KVConnectorRole.WORKER else None
+        _join_ray(self.settings)
+        self.index = IndexLink(self.settings.index_actor, self.settings.namespace)
+        is_worker = role == KVConnectorRole.WORKER
+        self.worker = CpuTierWorker(self.index.get, self.settings.store_id, self.engine_id) if is_worker else None
         # Scheduler state, keyed by request id and dropped in request_finished.
         self._requests: dict[str, Request] = {}
         self._lookups: dict[str, _Pending] = {}
         self._saved_blocks: dict[str, int] = {}
         self._meta = TierMetadata()
-        # Worker state: this step's saves with their pending slot requests (bound before the
-        # forward pass, written in wait_for_save).
-        self._step_saves: list[tuple[SaveJob, Any]] = []
+        # Worker state: this step's saves (block ids, hashes, pending slot request), bound
+        # before the forward pass and written in wait_for_save.
+        self._step_saves: list[tuple[list[int], list[bytes], Any | None]] = []
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -188,7 +231,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         if first >= self._loadable_blocks(request):
             return 0, False
         pending = self._lookups.get(req_id)
-        if pending is None or pending.first_block > first:
+        if pending is None or pending.first_block > first or pending.stale:
             pending = self._start_lookup(request, first)
         if pending.locations is None and not self._answer(req_id, pending):
             return None, False
@@ -210,7 +253,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def _start_lookup(self, request: Request, first: int) -> _Pending:
         req_id = request.request_id
         hashes = [bytes(h) for h in request.block_hashes[first : self._loadable_blocks(request)]]
-        pending = self._lookups[req_id] = _Pending(self.index.lookup.remote(self._pin_key(req_id), hashes), first)
+        index = self.index.get()
+        ref = index.lookup.remote(self._pin_key(req_id), hashes) if index is not None else None
+        pending = self._lookups[req_id] = _Pending(ref, first)
         return pending
 
     def _answer(self, req_id: str, pending: _Pending) -> bool:
@@ -239,7 +284,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         pending = self._lookups.pop(req_id, None)
         if num_external_tokens == 0 or pending is None or not pending.locations:
             if pending is not None:
-                self.index.unpin.remote(self._pin_key(req_id))
+                self._unpin(req_id)
             return
         # `blocks` are all the request's blocks; the load fills those after the local hit.
         first, num_blocks = pending.first_block, num_external_tokens // self.block_size
@@ -275,19 +320,25 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Called once per step with the workers' results: a finished load releases its pins."""
         for req_id in connector_output.finished_recving or ():
-            self.index.unpin.remote(self._pin_key(req_id))
+            self._unpin(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request ends. Saves are synchronous, so blocks may be freed now."""
         req_id = request.request_id
         if self._lookups.pop(req_id, None) is not None or req_id in self._requests:
-            self.index.unpin.remote(self._pin_key(req_id))
+            self._unpin(req_id)
         self._requests.pop(req_id, None)
         self._saved_blocks.pop(req_id, None)
         return False, None
 
     def _pin_key(self, req_id: str) -> str:
         return f"{self.engine_id}/{req_id}"
+
+    def _unpin(self, req_id: str) -> None:
+        """Release a request's pins; lost if the index is unreachable (its lease reclaims them)."""
+        index = self.index.get()
+        if index is not None:
+            index.unpin.remote(self._pin_key(req_id))
 
     # ---- worker side ----
 
@@ -300,7 +351,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         so its answer is in by wait_for_save (vLLM calls start_load_kv after the forward)."""
         super().bind_connector_metadata(connector_metadata)
         assert self.worker is not None and isinstance(connector_metadata, TierMetadata)
-        self._step_saves = [(job, self.worker.request_slots(job.hashes)) for job in connector_metadata.saves]
+        self._step_saves = [
+            (job.block_ids, job.hashes, self.worker.request_slots(job.hashes)) for job in connector_metadata.saves
+        ]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Called once per step: post this step's planned loads."""
@@ -320,13 +373,13 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         """Called after each forward pass: write the blocks it completed to the store."""
         assert self.worker is not None
         saves, self._step_saves = self._step_saves, []
-        for job, slots_ref in saves:
-            self.worker.save(job.block_ids, job.hashes, self.block_size, slots_ref)
+        self.worker.save(saves, self.block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Called once per step: requests whose loads ended (errors reported separately)."""
+        """Called once per step: requests whose loads ended (errors reported separately), after
+        the step's housekeeping (answers from the index, transfers that outlived their step)."""
         assert self.worker is not None
-        return None, self.worker.poll_loads() or None
+        return None, self.worker.poll() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_error_blocks() if self.worker is not None else set()

@@ -32,7 +32,7 @@ def index_with(*stores: StoreEndpoint) -> KVIndex:
 
 
 def save(index: KVIndex, store_id: str, hashes: list[bytes]) -> list[int]:
-    grant = index.allocate(store_id, hashes)
+    grant = index.allocate(store_id, hashes, "e")
     assert grant is not None
     index.commit(grant, ok=True)
     return grant.slots
@@ -55,7 +55,7 @@ def test_lookup_returns_the_longest_held_run_from_the_first_hash() -> None:
 
 def test_uncommitted_blocks_are_not_visible_to_lookups() -> None:
     index = index_with(endpoint())
-    grant = index.allocate("s0", [H[0]])
+    grant = index.allocate("s0", [H[0]], "e")
     assert grant is not None and index.lookup("e/r1", [H[0]]).locations == []
     index.commit(grant, ok=True)
     assert len(index.lookup("e/r1", [H[0]]).locations) == 1
@@ -63,7 +63,7 @@ def test_uncommitted_blocks_are_not_visible_to_lookups() -> None:
 
 def test_failed_save_frees_its_slots() -> None:
     index = index_with(endpoint(slots=1))
-    grant = index.allocate("s0", [H[0]])
+    grant = index.allocate("s0", [H[0]], "e")
     assert grant is not None
     index.commit(grant, ok=False)
     assert not index.contains(H[0])
@@ -73,7 +73,7 @@ def test_failed_save_frees_its_slots() -> None:
 def test_held_hashes_are_not_saved_twice() -> None:
     index = index_with(endpoint())
     save(index, "s0", [H[0]])
-    grant = index.allocate("s0", [H[0], H[1]])
+    grant = index.allocate("s0", [H[0], H[1]], "e")
     assert grant is not None and grant.hashes == [H[1]]
 
 
@@ -100,10 +100,10 @@ def test_pinned_blocks_are_not_evicted() -> None:
     index = index_with(endpoint(slots=2))
     save(index, "s0", [H[0], H[1]])
     index.lookup("e/r1", [H[0], H[1]])  # pins both while a load reads them
-    grant = index.allocate("s0", [H[2]])
+    grant = index.allocate("s0", [H[2]], "e")
     assert grant is not None and grant.hashes == []
     index.unpin("e/r1")
-    grant = index.allocate("s0", [H[2]])
+    grant = index.allocate("s0", [H[2]], "e")
     assert grant is not None and grant.hashes == [H[2]]
 
 
@@ -135,7 +135,7 @@ def test_restarted_store_makes_the_index_forget_its_blocks() -> None:
 
 def test_commit_of_a_dead_incarnation_is_ignored() -> None:
     index = index_with(endpoint("a"))
-    grant = index.allocate("a", [H[0]])
+    grant = index.allocate("a", [H[0]], "e")
     assert grant is not None
     index.register_store(endpoint("a", incarnation="i1"))
     index.commit(grant, ok=True)
@@ -151,16 +151,7 @@ def test_slot_size_mismatch_is_refused() -> None:
 def test_unsized_store_grants_nothing() -> None:
     index = KVIndex()
     index.register_store(endpoint())
-    assert index.allocate("s0", [H[0]]) is None
-
-
-def test_corrupted_lookups_point_past_the_pool_from_the_given_block() -> None:
-    index = index_with(endpoint(slots=4))
-    save(index, "s0", H[:4])
-    index.corrupt_next_lookups(1, after_blocks=2)
-    slots = [loc.slot for loc in index.lookup("e/r1", H[:4]).locations]
-    assert slots[:2] == [0, 1] and min(slots[2:]) >= 4
-    assert [loc.slot for loc in index.lookup("e/r2", H[:4]).locations] == [0, 1, 2, 3]
+    assert index.allocate("s0", [H[0]], "e") is None
 
 
 # ---- config and deploy wiring ----
@@ -241,10 +232,11 @@ def test_an_engine_process_joins_ray_without_the_error_listener_and_still_reache
         import threading
         import ray
         from actors.kv_store import TierSettings
-        from connectors.offload import _join_ray
+        from connectors.offload import IndexLink, _join_ray
 
-        index = _join_ray(TierSettings(ray_address={ray.get_runtime_context().gcs_address!r}, namespace="tandem-test",
-                                       index_actor="tandem-test-index", store_id=None, load=False))
+        _join_ray(TierSettings(ray_address={ray.get_runtime_context().gcs_address!r}, namespace="tandem-test",
+                               index_actor="tandem-test-index", store_id=None, load=False))
+        index = IndexLink("tandem-test-index", "tandem-test").get()
         listener = ray._private.worker.global_worker.listener_thread
         assert not listener.is_alive(), "the error listener still runs"
         assert "ray_listen_error_messages" not in [t.name for t in threading.enumerate()]
@@ -275,7 +267,7 @@ def tier_scheduler(ray_local: None) -> Iterator[tuple[Any, Any]]:
     index = KVIndexActor.options(name="sched-test-index", namespace="tandem-test").remote()
     ray.get(index.register_store.remote(endpoint()))
     ray.get(index.set_slot_bytes.remote(SLOT))
-    ray.get(index.commit.remote(ray.get(index.allocate.remote("s0", [H[0], H[1]])), True))
+    ray.get(index.commit.remote(ray.get(index.allocate.remote("s0", [H[0], H[1]], "e0")), True))
     settings = TierSettings(ray_address="unused", namespace="tandem-test", index_actor="sched-test-index", load=True)
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings), engine_id="e0"),
@@ -339,3 +331,28 @@ def test_a_request_seen_first_by_the_scheduler_is_answered_once_the_index_replie
         time.sleep(0.01)
     assert answer == (2 * BS, True)
     conn.request_finished(req, [])
+
+
+def test_a_corrupting_connector_fails_only_marked_requests_from_the_given_block(tier_scheduler: tuple[Any, Any]) -> None:
+    """tests.faults' connector (loaded through the cpu_tier.connector seam) points the lookups
+    of "tierfail" requests past the pool from CORRUPT_FROM_BLOCK on; others are untouched."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.faults import BAD_SLOT, CORRUPT_FROM_BLOCK, CorruptingCpuTierConnector
+
+    conn, index = tier_scheduler
+    held = H[8:12]  # in a store of its own, so the other tests' blocks stay held
+    ray_get(index.register_store.remote(endpoint("faults", slots=len(held))))
+    ray_get(index.commit.remote(ray_get(index.allocate.remote("faults", held, "e0")), True))
+    faulty = CorruptingCpuTierConnector(conn._vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
+    slots = {}
+    for req_id in ("plain", "x-tierfail-1"):
+        req = SimpleNamespace(request_id=req_id, block_hashes=held, num_tokens=len(held) * BS + 1)
+        faulty.on_new_request(req)
+        ray_get(index.get_stats.remote())
+        assert faulty.get_num_new_matched_tokens(req, 0) == (len(held) * BS, True)
+        slots[req_id] = [loc.slot for loc in faulty._lookups[req_id].locations]
+        faulty.request_finished(req, [])
+    assert BAD_SLOT not in slots["plain"]
+    assert slots["x-tierfail-1"][:CORRUPT_FROM_BLOCK] == slots["plain"][:CORRUPT_FROM_BLOCK]
+    assert set(slots["x-tierfail-1"][CORRUPT_FROM_BLOCK:]) == {BAD_SLOT}

@@ -1,0 +1,42 @@
+"""Fault injection for tests, loaded by engines through the config seam, never by production code.
+
+A deployment under test names the connector of its CPU tier child:
+
+    cpu_tier: {connector: CorruptingCpuTierConnector, module_path: tests.faults}
+
+Engine processes import this module by that path (Ray puts the driver's working directory on
+their ``sys.path``, so run the tests from the repository root).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.kv_index import BlockLocation
+from connectors.offload import TandemCpuTierConnector
+
+# Requests whose id contains this are the ones whose tier loads fail.
+FAIL_MARK = "tierfail"
+# Blocks of a corrupted lookup before this one stay valid; from it on they point past the pool.
+CORRUPT_FROM_BLOCK = 2
+# A slot no pool has, so the worker refuses the location before any transfer.
+BAD_SLOT = 2**40
+
+
+def corrupted(locations: list[BlockLocation]) -> list[BlockLocation]:
+    """`locations` with every slot from CORRUPT_FROM_BLOCK on moved past any pool."""
+    return locations[:CORRUPT_FROM_BLOCK] + [
+        BlockLocation(loc.store_id, loc.incarnation, BAD_SLOT) for loc in locations[CORRUPT_FROM_BLOCK:]
+    ]
+
+
+class CorruptingCpuTierConnector(TandemCpuTierConnector):
+    """The CPU tier connector, except that lookups of requests marked FAIL_MARK answer slots
+    past the pool from CORRUPT_FROM_BLOCK on: their loads fail midway and vLLM must recompute
+    the rest, while every other request is served as usual."""
+
+    def _answer(self, req_id: str, pending: Any) -> bool:
+        answered = super()._answer(req_id, pending)
+        if answered and FAIL_MARK in req_id and pending.locations:
+            pending.locations = corrupted(pending.locations)
+        return answered
