@@ -1,0 +1,380 @@
+"""Specification of the CPU tier worker's safety under faults, against a scripted NIXL agent and
+a scripted index (real Ray object refs, no engine): the engine step never waits long, and no
+memory a transfer may still touch is handed on. Ends with the index actor's restart, with a
+real store registered."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from actors.kv_index import BlockLocation, Grant, StoreEndpoint
+from connectors.offload_worker import GRANT_WAIT_S, STUCK_TRANSFER_S, WRITE_TIMEOUT_S, CpuTierWorker
+
+NUM_BLOCKS = 8
+PAGE = 64  # bytes of one block of one layer; two layers, so a slot is 128 bytes
+SLOT = 2 * PAGE
+STORE = StoreEndpoint("s0", "node", "i0", "store-agent", b"store-agent", 0x10000, 16 * SLOT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_local: None) -> None:
+    """Every test here needs Ray object refs."""
+
+
+class Clock:
+    """A clock that moves on by `tick` each time it is read (the worker spins on it while it
+    waits for a WRITE)."""
+
+    def __init__(self, tick: float = 0.0) -> None:
+        self.now = 1000.0
+        self.tick = tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class FakeAgent:
+    """The NIXL agent calls the worker makes. Transfers end as `script` says: a list of states
+    check_xfer_state returns in turn (the last one repeats); "RAISE" raises like NIXL does when
+    the remote disconnected."""
+
+    def __init__(self) -> None:
+        self.script: list[str] = ["DONE"]
+        self.posted: dict[int, tuple[str, list[int]]] = {}  # handle -> (op, local addresses)
+        self.states: dict[int, list[str]] = {}
+        self.released: list[int] = []
+        self.removed: list[str] = []
+        self._ids = itertools.count(1)
+
+    def register_memory(self, descs: Any, kind: str) -> None:
+        pass
+
+    def get_xfer_descs(self, rows: np.ndarray, kind: str) -> list[int]:
+        return [int(r[0]) for r in rows]
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        return metadata.decode()
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.removed.append(name)
+
+    def initialize_xfer(self, op: str, local: list[int], remote: list[int], agent: str) -> int:
+        handle = next(self._ids)
+        self.posted[handle] = (op, local)
+        self.states[handle] = list(self.script)
+        return handle
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        assert handle not in self.released, "a released handle was polled"
+        states = self.states[handle]
+        state = states.pop(0) if len(states) > 1 else states[0]
+        if state == "RAISE":
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        return state
+
+    def end(self, handle: int, state: str = "DONE") -> None:
+        self.states[handle] = [state]
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.released.append(handle)
+
+
+@ray.remote(num_cpus=0)
+def _answer_later(value: Any, delay_s: float) -> Any:
+    time.sleep(delay_s)
+    return value
+
+
+class _Method:
+    """An actor method answering `answer`, after `delay_s` (0: at once); records its calls."""
+
+    def __init__(self, answer: Any = None, delay_s: float = 0.0) -> None:
+        self.answer = answer
+        self.delay_s = delay_s
+        self.calls: list[tuple[Any, ...]] = []
+        self.refs: list[Any] = []
+
+    def remote(self, *args: Any) -> Any:
+        self.calls.append(args)
+        self.refs.append(_answer_later.remote(self.answer, self.delay_s) if self.delay_s else ray.put(self.answer))
+        return self.refs[-1]
+
+    def wait_answered(self) -> None:
+        ray.wait(self.refs, num_returns=len(self.refs), timeout=60)
+
+
+class FakeIndex:
+    """The index actor's methods the worker calls; each answers as configured and records calls."""
+
+    def __init__(self) -> None:
+        self.endpoint = _Method(STORE)
+        self.allocate = _Method()
+        self.commit = _Method()
+        self.set_slot_bytes = _Method()
+
+
+def grant(slots: list[int], hashes: list[bytes] | None = None) -> Grant:
+    return Grant("g1", "s0", "i0", hashes or [bytes([s]) for s in slots], slots)
+
+
+def kv_caches() -> dict[str, torch.Tensor]:
+    """Two small layers of NUM_BLOCKS blocks, PAGE bytes each."""
+    return {f"layer{i}": torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8) for i in range(2)}
+
+
+def worker_with(index: FakeIndex, agent: FakeAgent, clock: Clock, store_id: str | None = "s0") -> CpuTierWorker:
+    """A started worker; with a store id, it knows that store's endpoint once the index answered."""
+    worker = CpuTierWorker(lambda: index, store_id, "e@1", agent=agent, clock=clock)
+    worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
+    index.endpoint.wait_answered()
+    worker.poll()
+    return worker
+
+
+def commits(index: FakeIndex) -> list[bool]:
+    return [ok for _, ok in index.commit.calls]
+
+
+def save_one(worker: CpuTierWorker, index: FakeIndex, slots: list[int]) -> None:
+    """One step's save of len(slots) blocks, whose grant (of `slots`) is in by wait_for_save."""
+    index.allocate.answer = grant(slots)
+    hashes = [bytes([s]) for s in slots]
+    ref = worker.request_slots(hashes)
+    ray.wait([ref])
+    worker.save([(list(range(len(slots))), hashes, ref)], block_size=16)
+
+
+def loc(slot: int, store: StoreEndpoint = STORE) -> BlockLocation:
+    return BlockLocation(store.store_id, store.incarnation, slot)
+
+
+# ---- saves ----
+
+
+def test_a_write_that_ends_commits_its_grant() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    worker = worker_with(index, agent, Clock(tick=0.001))
+    save_one(worker, index, [3])
+    assert commits(index) == [True] and agent.released == [1]
+    assert index.allocate.calls[0][2:] == ("e@1", SLOT)  # the owner, and the slot size for a restarted index
+
+
+def test_a_write_outliving_its_step_keeps_its_grant_until_the_transfer_ends() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    agent.script = ["PROC"]
+    clock = Clock(tick=0.01)
+    worker = worker_with(index, agent, clock)
+    start = clock.now
+    save_one(worker, index, [3])
+    assert clock.now - start >= WRITE_TIMEOUT_S  # the step waited its bound, no longer
+    assert commits(index) == [] and agent.released == []  # the WRITE may still land: slots stay granted
+    worker.poll()
+    assert commits(index) == [] and agent.released == []
+    agent.end(1, "DONE")
+    worker.poll()
+    # Ended after its step: the blocks it read may have been reused, so the grant is given back.
+    assert commits(index) == [False] and agent.released == [1]
+
+
+def test_saves_to_a_store_with_a_stuck_write_are_skipped_and_given_back() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    agent.script = ["PROC"]
+    worker = worker_with(index, agent, Clock(tick=0.01))
+    save_one(worker, index, [3])
+    save_one(worker, index, [4])
+    assert len(agent.posted) == 1  # no second WRITE into a stalled store
+    assert commits(index) == [False]
+
+
+def test_a_grant_missing_its_step_is_skipped_and_given_back_when_it_arrives() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    worker = worker_with(index, agent, Clock(tick=0.001))
+    index.allocate = _Method(grant([3]), delay_s=0.5)
+    ref = worker.request_slots([b"\x03"])
+    t0 = time.perf_counter()
+    worker.save([([0], [b"\x03"], ref)], block_size=16)
+    assert time.perf_counter() - t0 < GRANT_WAIT_S + 0.1  # the step did not wait for the index
+    assert agent.posted == {} and commits(index) == []
+    index.allocate.wait_answered()
+    worker.poll()
+    assert agent.posted == {} and commits(index) == [False]
+
+
+def test_a_save_to_a_store_whose_endpoint_is_not_in_yet_is_skipped_and_given_back() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    index.endpoint = _Method(STORE, delay_s=0.5)
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=agent, clock=Clock(tick=0.001))
+    worker.register_kv_caches(kv_caches(), NUM_BLOCKS)  # starts fetching the endpoint, does not wait
+    t0 = time.perf_counter()
+    save_one(worker, index, [3])
+    assert time.perf_counter() - t0 < 0.3
+    assert agent.posted == {} and commits(index) == [False]
+
+
+# ---- loads ----
+
+
+def test_a_load_stuck_past_its_bound_keeps_its_blocks_until_the_transfer_ends() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    agent.script = ["PROC"]
+    clock = Clock()
+    worker = worker_with(index, agent, clock)
+    worker.start_load("r1", [5, 6], [loc(0), loc(1)])
+    clock.now += STUCK_TRANSFER_S + 1
+    assert worker.poll() == set() and worker.take_error_blocks() == set()
+    assert agent.released == []  # releasing would not stop the READ
+    agent.end(1, "DONE")
+    assert worker.poll() == {"r1"}
+    assert worker.take_error_blocks() == set() and agent.released == [1]  # the blocks did arrive
+
+
+def test_a_load_ends_only_when_every_transfer_of_it_has_ended() -> None:
+    """One READ failed, another still writes the request's blocks: vLLM must not recompute
+    into them yet."""
+    index, agent = FakeIndex(), FakeAgent()
+    other = StoreEndpoint("s1", "node", "i9", "other-agent", b"other-agent", 0x90000, 16 * SLOT)
+    worker = worker_with(index, agent, Clock())
+    index.endpoint = _Method(other)
+    worker.start_load("r0", [5], [loc(0, other)])  # fails (unknown store) and fetches its endpoint
+    index.endpoint.wait_answered()
+    assert worker.poll() == {"r0"} and worker.take_error_blocks() == {5}
+    agent.script = ["PROC"]
+    worker.start_load("r1", [5, 6], [loc(0), loc(0, other)])
+    agent.end(1, "RAISE")  # the store died
+    assert worker.poll() == set() and worker.take_error_blocks() == set()
+    agent.end(2, "DONE")
+    assert worker.poll() == {"r1"}
+    assert worker.take_error_blocks() == {5, 6}
+
+
+def test_a_load_from_an_unknown_store_fails_at_once_and_fetches_the_endpoint() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    index.endpoint = _Method(STORE, delay_s=0.3)
+    worker = worker_with(index, agent, Clock(), store_id=None)
+    t0 = time.perf_counter()
+    worker.start_load("r1", [5, 6], [loc(0), loc(1)])
+    assert worker.poll() == {"r1"} and worker.take_error_blocks() == {5, 6}
+    assert time.perf_counter() - t0 < 0.2 and agent.posted == {}
+    index.endpoint.wait_answered()
+    worker.poll()  # the endpoint is taken in, for the next load
+    worker.start_load("r2", [5, 6], [loc(0), loc(1)])
+    assert len(agent.posted) == 1 and worker.poll() == {"r2"} and worker.take_error_blocks() == set()
+
+
+def test_loads_from_a_store_with_a_stuck_transfer_fail_at_once() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    agent.script = ["PROC"]
+    clock = Clock()
+    worker = worker_with(index, agent, clock)
+    worker.start_load("r1", [5], [loc(0)])
+    clock.now += STUCK_TRANSFER_S + 1
+    worker.poll()
+    worker.start_load("r2", [6], [loc(1)])
+    assert worker.poll() == {"r2"} and worker.take_error_blocks() == {6}
+    assert len(agent.posted) == 1
+
+
+def test_a_new_store_incarnation_retires_the_old_agent_once_its_transfers_end() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    agent.script = ["PROC"]
+    worker = worker_with(index, agent, Clock())
+    worker.start_load("r1", [5], [loc(0)])
+    restarted = StoreEndpoint("s0", "node", "i1", "store-agent-2", b"store-agent-2", 0x10000, 16 * SLOT)
+    index.endpoint = _Method(restarted)
+    worker.start_load("r2", [6], [loc(0, restarted)])  # an unknown incarnation: fails, fetched
+    index.endpoint.wait_answered()
+    worker.poll()
+    assert agent.removed == []  # r1's READ still uses the old agent
+    agent.end(1, "RAISE")
+    assert worker.poll() == {"r1"}
+    assert agent.removed == ["store-agent"]
+
+
+# ---- engine start ----
+
+
+def test_engine_start_survives_a_dead_index() -> None:
+    from actors.kv_index import KVIndexActor
+
+    index = KVIndexActor.remote()
+    ray.kill(index, no_restart=True)
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=FakeAgent(), clock=Clock())
+    worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
+    assert worker.slot_bytes == SLOT
+
+
+def test_engine_start_fails_when_its_blocks_do_not_fit_the_tier() -> None:
+    from actors.kv_index import KVIndexActor
+
+    index = KVIndexActor.remote()
+    ray.get(index.set_slot_bytes.remote(SLOT * 2))
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=FakeAgent(), clock=Clock())
+    with pytest.raises(ValueError, match="same model"):
+        worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
+    ray.kill(index)
+
+
+# ---- the index actor's restart ----
+
+RESTART_QUARANTINE_S = 3.0
+
+
+@pytest.fixture
+def tier_actors() -> Iterator[tuple[Any, Any, str]]:
+    """An index (restart quarantine shortened to RESTART_QUARANTINE_S) with a real store of a
+    small pool, both named as a deployment names them."""
+    from actors.kv_index import KVIndexActor
+    from actors.kv_store import KVStoreActor, index_actor_name, store_actor_name
+
+    app, namespace = "restart-test", "tandem-test"
+    index = KVIndexActor.options(name=index_actor_name(app), namespace=namespace).remote(
+        app, namespace, restart_quarantine_s=RESTART_QUARANTINE_S
+    )
+    node_id = ray.get_runtime_context().get_node_id()
+    store = KVStoreActor.options(name=store_actor_name(app, node_id), namespace=namespace).remote(
+        node_id[:12], 16 * SLOT, index_actor_name(app), namespace
+    )
+    endpoint = ray.get(store.info.remote(), timeout=120)
+    yield index, store, endpoint.store_id
+    ray.kill(store, no_restart=True)
+    ray.kill(index, no_restart=True)
+
+
+def test_a_killed_index_comes_back_finds_its_store_and_grants_after_its_quarantine(
+    tier_actors: tuple[Any, Any, str],
+) -> None:
+    index, store, store_id = tier_actors
+    saved = ray.get(index.allocate.remote(store_id, [b"h0"], "e@1", SLOT))
+    ray.get(index.commit.remote(saved, True))
+    unsettled = ray.get(index.allocate.remote(store_id, [b"h1"], "e@1", SLOT))
+
+    killed = time.monotonic()
+    ray.kill(index, no_restart=False)
+    while True:  # back empty (the old life held 2 blocks), with the store it asked to re-register
+        try:
+            stats = ray.get(index.get_stats.remote(), timeout=10)
+            if stats.num_blocks == 0 and store_id in stats.stores:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < killed + 60, "the index did not come back empty with its store"
+        time.sleep(0.2)
+    assert ray.get(index.endpoint.remote(store_id)) == ray.get(store.info.remote())
+    ray.get(index.commit.remote(unsettled, True))  # a grant of its previous life settles nothing
+    while (granted := ray.get(index.allocate.remote(store_id, [b"h2"], "e@1", SLOT))) is None:
+        assert time.monotonic() < killed + 60, "the restarted index never granted again"
+        time.sleep(0.1)
+    assert time.monotonic() - killed >= RESTART_QUARANTINE_S  # (the quarantine itself: test_cpu_tier_leases)
+    assert granted.hashes == [b"h2"] and ray.get(index.get_stats.remote()).num_blocks == 1
