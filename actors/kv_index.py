@@ -94,6 +94,9 @@ class Grant(msgspec.Struct, frozen=True):
     incarnation: str
     hashes: list[bytes]
     slots: list[int]
+    # The store's endpoint, when the caller did not know this incarnation (it saves into the
+    # grant at once, without another round trip).
+    endpoint: StoreEndpoint | None = None
 
 
 class OwnerRelease(msgspec.Struct, frozen=True):
@@ -287,12 +290,21 @@ class KVIndex:
 
     # ---- saves ----
 
-    def allocate(self, store_id: str, hashes: list[bytes], owner: str, slot_bytes: int | None = None) -> Grant | None:
+    def allocate(
+        self,
+        store_id: str,
+        hashes: list[bytes],
+        owner: str,
+        slot_bytes: int | None = None,
+        known_incarnation: str | None = None,
+    ) -> Grant | None:
         """Reserve slots in `store_id` for the hashes not held anywhere (held ones are only
         touched), owned by `owner` until committed. Evicts LRU blocks of that store when full;
         grants fewer (a prefix of the new hashes) when the rest of the store is pinned or in
         quarantine. `slot_bytes` (the engine's) sizes the stores of an index that restarted
-        empty. None: unknown or unsized store, or an index still in its restart quarantine."""
+        empty; the grant carries the store's endpoint unless the caller knows its incarnation
+        (`known_incarnation`). None: unknown or unsized store, or an index still in its
+        restart quarantine."""
         if slot_bytes is not None:
             self.set_slot_bytes(slot_bytes)
         self._expire()
@@ -315,7 +327,9 @@ class KVIndex:
             slots.append(e.slot)
         if grant.entries:
             self._grants[grant_id] = grant
-        return Grant(grant_id, store_id, store.endpoint.incarnation, grant.hashes, slots)
+        incarnation = store.endpoint.incarnation
+        endpoint = store.endpoint if known_incarnation != incarnation else None
+        return Grant(grant_id, store_id, incarnation, grant.hashes, slots, endpoint)
 
     def commit(self, grant: Grant, ok: bool) -> None:
         """The worker's transfer into a grant's slots has ended: it wrote them (ok: make the
@@ -484,9 +498,16 @@ class KVIndexActor:
     def unpin(self, pin_key: str) -> None:
         self.index.unpin(pin_key)
 
-    def allocate(self, store_id: str, hashes: list[bytes], owner: str, slot_bytes: int | None = None) -> Grant | None:
+    def allocate(
+        self,
+        store_id: str,
+        hashes: list[bytes],
+        owner: str,
+        slot_bytes: int | None = None,
+        known_incarnation: str | None = None,
+    ) -> Grant | None:
         self._adopt_stores()
-        return self.index.allocate(store_id, hashes, owner, slot_bytes)
+        return self.index.allocate(store_id, hashes, owner, slot_bytes, known_incarnation)
 
     def commit(self, grant: Grant, ok: bool) -> None:
         self.index.commit(grant, ok)

@@ -11,8 +11,10 @@ load errors, which vLLM recomputes.
 
 Rules that keep the tier safe under faults:
 - The engine step never waits on Ray for long: at most GRANT_WAIT_S for a slot grant (a
-  grant arriving later is given back), never for a store's endpoint (fetched in the
-  background; until it arrives, loads from that store fail and saves to it are skipped).
+  grant arriving later is given back), never for a store's endpoint: a grant carries the
+  endpoint of a store incarnation the worker does not know yet, and one needed by a load is
+  fetched in the background (until it arrives, loads from that store fail and vLLM
+  recomputes).
 - A transfer's memory is never handed on while the transfer may still touch it: a load is
   reported finished, and a grant committed or given back, only once NIXL says every
   transfer of it has ended. Releasing a NIXL handle does not stop a UCX transfer (nixl
@@ -186,8 +188,6 @@ class CpuTierWorker:
                 raise
             except Exception as err:
                 logger.warning("CPU tier index did not take this engine's slot size (%s); saves will send it", err)
-        if self.store_id is not None:
-            self._fetch_endpoint(self.store_id)
 
     # ---- the step's housekeeping ----
 
@@ -242,12 +242,18 @@ class CpuTierWorker:
             except Exception as err:
                 self._warn("endpoint", "CPU tier could not fetch the endpoint of store %s: %s", store_id, err)
                 continue
-            known = self._stores.get(store_id)
-            if ep is None or (known is not None and known[0].incarnation == ep.incarnation):
-                continue
-            if known is not None:
-                self._retired_agents.add(known[1])
-            self._stores[store_id] = (ep, self.agent.add_remote_agent(ep.agent_metadata))
+            if ep is not None:
+                self._adopt_endpoint(ep)
+
+    def _adopt_endpoint(self, ep: StoreEndpoint) -> None:
+        """Reach `ep` from now on (its remote agent loaded); an older incarnation's agent is
+        retired."""
+        known = self._stores.get(ep.store_id)
+        if known is not None and known[0].incarnation == ep.incarnation:
+            return
+        if known is not None:
+            self._retired_agents.add(known[1])
+        self._stores[ep.store_id] = (ep, self.agent.add_remote_agent(ep.agent_metadata))
 
     def _remove_retired_agents(self) -> None:
         if not self._retired_agents:
@@ -328,7 +334,9 @@ class CpuTierWorker:
         index = self._index()
         if index is None:
             return None
-        return index.allocate.remote(self.store_id, hashes, self.owner, self.slot_bytes)
+        known = self._stores.get(self.store_id)
+        known_incarnation = known[0].incarnation if known is not None else None
+        return index.allocate.remote(self.store_id, hashes, self.owner, self.slot_bytes, known_incarnation)
 
     def save(self, jobs: list[tuple[list[int], list[bytes], Any | None]], block_size: int) -> None:
         """Write this step's computed blocks, (block ids, hashes, `request_slots` answer) per
@@ -355,6 +363,8 @@ class CpuTierWorker:
             return
         if grant is None or not grant.hashes:
             return
+        if grant.endpoint is not None:
+            self._adopt_endpoint(grant.endpoint)
         store = self._known_store(grant.store_id, grant.incarnation)
         if store is None or self._stalled(grant.store_id):
             why = "its endpoint is being fetched" if store is None else "an earlier transfer with it has not ended"

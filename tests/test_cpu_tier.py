@@ -14,7 +14,7 @@ import pytest
 from actors.kv_index import KVIndex, StoreEndpoint
 from actors.kv_store import TierSettings
 from orchestrator.config import ConfigError, parse_config
-from orchestrator.deploy import kv_transfer_for
+from orchestrator.specs import kv_transfer_for
 
 SLOT = 1024
 
@@ -140,6 +140,14 @@ def test_commit_of_a_dead_incarnation_is_ignored() -> None:
     index.register_store(endpoint("a", incarnation="i1"))
     index.commit(grant, ok=True)
     assert not index.contains(H[0])
+
+
+def test_a_grant_carries_the_store_endpoint_unless_the_caller_knows_its_incarnation() -> None:
+    index = index_with(endpoint(incarnation="i0"))
+    assert index.allocate("s0", [H[0]], "e").endpoint == endpoint(incarnation="i0")  # type: ignore[union-attr]
+    assert index.allocate("s0", [H[1]], "e", known_incarnation="i0").endpoint is None  # type: ignore[union-attr]
+    restarted = index.allocate("s0", [H[2]], "e", known_incarnation="old")
+    assert restarted is not None and restarted.endpoint == endpoint(incarnation="i0")
 
 
 def test_slot_size_mismatch_is_refused() -> None:

@@ -125,8 +125,12 @@ class FakeIndex:
         self.set_slot_bytes = _Method()
 
 
-def grant(slots: list[int], hashes: list[bytes] | None = None) -> Grant:
-    return Grant("g1", "s0", "i0", hashes or [bytes([s]) for s in slots], slots)
+def grant(slots: list[int], endpoint: StoreEndpoint | None = None) -> Grant:
+    return Grant("g1", "s0", "i0", [bytes([s]) for s in slots], slots, endpoint)
+
+
+def loc(slot: int, store: StoreEndpoint = STORE) -> BlockLocation:
+    return BlockLocation(store.store_id, store.incarnation, slot)
 
 
 def kv_caches() -> dict[str, torch.Tensor]:
@@ -134,12 +138,15 @@ def kv_caches() -> dict[str, torch.Tensor]:
     return {f"layer{i}": torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8) for i in range(2)}
 
 
-def worker_with(index: FakeIndex, agent: FakeAgent, clock: Clock, store_id: str | None = "s0") -> CpuTierWorker:
-    """A started worker; with a store id, it knows that store's endpoint once the index answered."""
-    worker = CpuTierWorker(lambda: index, store_id, "e@1", agent=agent, clock=clock)
+def worker_with(index: FakeIndex, agent: FakeAgent, clock: Clock, knows_store: bool = True) -> CpuTierWorker:
+    """A started worker saving to STORE; `knows_store`: it has learnt STORE's endpoint (from a
+    first load, which failed for want of it)."""
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=agent, clock=clock)
     worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
-    index.endpoint.wait_answered()
-    worker.poll()
+    if knows_store:
+        worker.start_load("warm-up", [0], [loc(0)])
+        index.endpoint.wait_answered()
+        assert worker.poll() == {"warm-up"} and worker.take_error_blocks() == {0}
     return worker
 
 
@@ -156,10 +163,6 @@ def save_one(worker: CpuTierWorker, index: FakeIndex, slots: list[int]) -> None:
     worker.save([(list(range(len(slots))), hashes, ref)], block_size=16)
 
 
-def loc(slot: int, store: StoreEndpoint = STORE) -> BlockLocation:
-    return BlockLocation(store.store_id, store.incarnation, slot)
-
-
 # ---- saves ----
 
 
@@ -168,7 +171,19 @@ def test_a_write_that_ends_commits_its_grant() -> None:
     worker = worker_with(index, agent, Clock(tick=0.001))
     save_one(worker, index, [3])
     assert commits(index) == [True] and agent.released == [1]
-    assert index.allocate.calls[0][2:] == ("e@1", SLOT)  # the owner, and the slot size for a restarted index
+    # The owner, the slot size (for an index that restarted empty), the store incarnation known.
+    assert index.allocate.calls[0][2:] == ("e@1", SLOT, "i0")
+
+
+def test_the_first_grant_brings_the_endpoint_of_the_store() -> None:
+    index, agent = FakeIndex(), FakeAgent()
+    worker = worker_with(index, agent, Clock(tick=0.001), knows_store=False)
+    index.allocate.answer = grant([3], endpoint=STORE)
+    ref = worker.request_slots([b"\x03"])
+    ray.wait([ref])
+    worker.save([([0], [b"\x03"], ref)], block_size=16)
+    assert index.allocate.calls[0][4] is None  # it asked as a worker knowing no incarnation
+    assert index.endpoint.calls == [] and commits(index) == [True]
 
 
 def test_a_write_outliving_its_step_keeps_its_grant_until_the_transfer_ends() -> None:
@@ -212,15 +227,15 @@ def test_a_grant_missing_its_step_is_skipped_and_given_back_when_it_arrives() ->
     assert agent.posted == {} and commits(index) == [False]
 
 
-def test_a_save_to_a_store_whose_endpoint_is_not_in_yet_is_skipped_and_given_back() -> None:
+def test_a_grant_for_a_store_the_worker_cannot_reach_is_given_back_without_waiting() -> None:
     index, agent = FakeIndex(), FakeAgent()
     index.endpoint = _Method(STORE, delay_s=0.5)
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=agent, clock=Clock(tick=0.001))
-    worker.register_kv_caches(kv_caches(), NUM_BLOCKS)  # starts fetching the endpoint, does not wait
+    worker = worker_with(index, agent, Clock(tick=0.001), knows_store=False)
     t0 = time.perf_counter()
-    save_one(worker, index, [3])
+    save_one(worker, index, [3])  # a grant without the endpoint the worker lacks
     assert time.perf_counter() - t0 < 0.3
     assert agent.posted == {} and commits(index) == [False]
+    assert len(index.endpoint.calls) == 1  # fetched in the background for next time
 
 
 # ---- loads ----
@@ -262,7 +277,7 @@ def test_a_load_ends_only_when_every_transfer_of_it_has_ended() -> None:
 def test_a_load_from_an_unknown_store_fails_at_once_and_fetches_the_endpoint() -> None:
     index, agent = FakeIndex(), FakeAgent()
     index.endpoint = _Method(STORE, delay_s=0.3)
-    worker = worker_with(index, agent, Clock(), store_id=None)
+    worker = worker_with(index, agent, Clock(), knows_store=False)
     t0 = time.perf_counter()
     worker.start_load("r1", [5, 6], [loc(0), loc(1)])
     assert worker.poll() == {"r1"} and worker.take_error_blocks() == {5, 6}
