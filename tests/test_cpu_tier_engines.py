@@ -2,7 +2,9 @@
 
 One colocated deployment of two engines with the tier (prefix caching off, so the tier is
 the only cache and a "cold" run is a real recompute) serves every single-node test; the
-two-node test builds its own ``ray.cluster_utils.Cluster``.
+two-node test builds its own ``ray.cluster_utils.Cluster``. The tier's connector is
+tests.faults' CorruptingCpuTierConnector (through the ``cpu_tier.connector`` seam): it
+serves every request as the real one does, except those whose id contains "tierfail".
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ pytestmark = pytest.mark.engines
 BLOCK = 128  # vLLM's block size on CPU
 SLOT_BYTES = 65536  # one block of every layer of the tiny model
 POOL_SLOTS = 24
-TIER = {"enabled": True, "size_gib": POOL_SLOTS * SLOT_BYTES / 2**30}
+TIER_CONNECTOR = "CorruptingCpuTierConnector"
+TIER = {
+    "enabled": True,
+    "size_gib": POOL_SLOTS * SLOT_BYTES / 2**30,
+    "connector": TIER_CONNECTOR,
+    "module_path": "tests.faults",
+}
 ENGINE_ARGS = {"enable_prefix_caching": False, "max_model_len": 1024}
 
 
@@ -45,7 +53,7 @@ def generate(handle: Any, request_id: str, tokens: list[int]) -> list[int]:
 
 
 def tier_counters(handle: Any) -> dict[str, float]:
-    return dict(ray.get(handle.get_stats.remote()).connector_counters.get("TandemCpuTierConnector", {}))
+    return dict(ray.get(handle.get_stats.remote()).connector_counters.get(TIER_CONNECTOR, {}))
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
@@ -83,9 +91,9 @@ def test_load_failing_midway_recomputes_the_rest(deployment: Deployment) -> None
     a, b = (e.handle for e in deployment.engines)
     shared = prompt(4, 4 * BLOCK)
     cold = generate(a, "a-2", shared + prompt(5, 30))
-    ray.get(deployment.kv_index.corrupt_next_lookups.remote(1, 2))
     before = tier_counters(b)
-    answer = generate(b, "b-3", shared + prompt(5, 30))
+    # tests.faults points this lookup's locations past the pool from block 2 on.
+    answer = generate(b, "b-3-tierfail", shared + prompt(5, 30))
     after = tier_counters(b)
     assert answer == cold
     assert delta(after, before, "load_failures") == 1
