@@ -75,10 +75,16 @@ def manager_name(app: str) -> str:
 
 
 def _first_line(err: BaseException) -> str:
+    """An error in one line an operator can act on: the cause of a failed Ray task, or for an
+    actor whose constructor raised (vLLM's start-up), the last error line of that traceback."""
     if isinstance(err, RayTaskError) and err.cause is not None:
         err = err.cause
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else 'no detail'}"
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if isinstance(err, RayActorError) and err.actor_init_failed:
+        causes = [line for line in lines if "Error" in line.split(":", 1)[0] or "error," in line]
+        if causes:
+            return f"its engine failed to start: {causes[-1]}"
+    return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"
 
 
 @dataclass(eq=False)

@@ -17,8 +17,11 @@ Failover, so that a dying engine costs time, never a request:
   lists a new incarnation of it) and is reported to the manager, which checks and restarts it.
 
 Cancellation: a consumer that leaves at any phase has the request aborted on the engine that
-holds it; a prefill's KV blocks held for a decode that will not come are released through a
-decode engine at once (vLLM's rejected-request path), not at the end of NIXL's lease.
+holds it. The decode request goes out in the same step as the prefill's answer arrives, so a
+prefill's KV blocks are never left waiting for a decode that will not come: aborting the
+decode request frees them at once (vLLM's decode side tells the prefill side), and a prefill
+that had already answered when its abort came is released through a decode engine
+(`release_remote_kv`), not at the end of NIXL's 30-s lease.
 
 Which engines exist comes from the pool manager's routing table (`set_engines`); a router
 built on a fixed list (benchmarks, handshake pre-warming) works the same without one.
@@ -44,8 +47,8 @@ from orchestrator.protocol import EngineRef
 logger = logging.getLogger("tandem.router")
 
 Policy = Literal["round_robin", "least_outstanding"]
-# Where a request was when its consumer left: before any engine, prefilling, between the
-# prefill's answer and the decode request, streaming its output.
+# Where a request was when its consumer left: before any engine, prefilling, waiting for its
+# first output token (the decode engine pulling the KV), streaming its output.
 Phase = Literal["queued", "prefill", "handoff", "decode"]
 
 # An abort is a courtesy to a live engine; one that does not answer this fast is not waited on.
@@ -323,8 +326,6 @@ class Router:
                 phase = "decode"
         except (GeneratorExit, asyncio.CancelledError):
             _count(self.stats.aborts, phase)
-            if phase == "handoff" and kv_params is not None and trace.t_decode_sent is None:
-                await self._release_held_kv(kv_params, f"{request_id}-release")
             raise
         except (NoEngineError, MigrationLimitError) as err:
             _count(self.stats.failed, "no_engine" if isinstance(err, NoEngineError) else "migration_limit")
@@ -409,9 +410,14 @@ class Router:
 
         return release
 
+    def note_abort(self, phase: Phase) -> None:
+        """Count a request whose client left before it reached the router (phase "queued")."""
+        _count(self.stats.aborts, phase)
+
     async def _release_held_kv(self, kv_params: dict[str, Any], request_id: str) -> None:
-        """Free a prefill's blocks held for a decode that will not come, through a decode
-        engine (only the reading side can tell the prefill side it is done)."""
+        """Free a prefill's blocks held for a decode that will not come (its answer was lost to
+        an abort or a timeout), through a decode engine: only the reading side can tell the
+        prefill side it is done."""
         engine = self._output_pool().pick() if self.disaggregated else None
         if engine is None:
             return  # no decode engine: NIXL's lease frees the blocks

@@ -210,6 +210,9 @@ class OpenAIIngress:
         except ApiError as err:
             self.metrics.observe_request(endpoint, err.status)
             return JSONResponse(err.body(), status_code=err.status)
+        except asyncio.CancelledError:
+            self.router.note_abort("queued")  # the client left before its request reached an engine
+            raise
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         rid = f"{prefix}-{own_id}" if own_id else make_id(prefix)
         trace = RequestTrace()

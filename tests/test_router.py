@@ -1,5 +1,7 @@
-"""The router's stream from an engine actor, against a fake actor handle (pure logic; the real
-engines, Ray streaming included, are exercised in tests/test_serving.py)."""
+"""The router against fake engine actor handles (pure logic): streaming, engine choice, prefill
+retries and fallback, mid-stream migration, cancellation at every phase. The real engines,
+Ray streaming and real process deaths included, are exercised in tests/test_serving.py and
+tests/test_faults.py."""
 
 from __future__ import annotations
 
@@ -7,10 +9,20 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
 from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
 from orchestrator.config import RoutingConfig
 from orchestrator.protocol import EngineRef
-from orchestrator.router import RequestTrace, Router, stream_engine
+from orchestrator.router import (
+    EnginePicker,
+    MigrationLimitError,
+    NoEngineError,
+    RequestTrace,
+    Router,
+    stream_engine,
+)
 
 REQ = EngineRequest("r-1", [1, 2, 3], SamplingOptions(max_tokens=2))
 CHUNKS = [EngineChunk("a", [5]), EngineChunk("b", [6], finished=True, finish_reason="length")]
@@ -95,3 +107,247 @@ def test_only_the_streaming_request_may_batch_tokens() -> None:
     # The prefill answers with a single token: holding it back would only delay the decode.
     assert p.stream_batch_s == 0.0 and p.sampling.max_tokens == 1
     assert d.stream_batch_s == 0.02 and d.kv_transfer_params == {"remote_engine_id": "p"}
+
+
+# ---- failover and cancellation against fake engines ------------------------------------
+
+
+class FakeEngine:
+    """An engine actor handle with a deterministic "model": after a prompt of n tokens the
+    next token is 1000 + n, so a request resumed from its prompt plus the tokens already
+    streamed continues the same sequence. A prefill (do_remote_decode) answers with one
+    chunk carrying kv_transfer_params naming this engine. It can die after some output
+    tokens, hang, end a request with finish_reason "error", or reject input as vLLM does."""
+
+    def __init__(self, name: str, *, die_after: int | None = None, hang: bool = False,
+                 error_finish: bool = False, reject: bool = False) -> None:
+        self.name = name
+        self.die_after, self.hang, self.error_finish, self.reject = die_after, hang, error_finish, reject
+        self.requests: list[EngineRequest] = []
+        self.aborted: list[str] = []
+        self.released: list[tuple[str, dict[str, Any]]] = []
+        # What abort() answers: the kv_transfer_params of a prefill that had finished.
+        self.abort_answer: dict[str, Any] | None = None
+        self.generate = _Method(self._generate)
+        self.abort = _Method(self._abort)
+        self.release_remote_kv = _Method(self._release)
+
+    def ref(self, role: str, incarnation: str = "i0") -> EngineRef:
+        return EngineRef(self.name, role, self, incarnation)  # type: ignore[arg-type]
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+        self.requests.append(req)
+        if self.reject:
+            raise RayTaskError("generate", "traceback", ValueError("prompt too long"))
+        if self.hang:
+            await asyncio.Event().wait()
+        n = len(req.prompt_token_ids)
+        if req.kv_transfer_params == {"do_remote_decode": True}:
+            yield _done(EngineChunk("p", [1000 + n], finished=True, finish_reason="length",
+                                    kv_transfer_params={"remote_engine_id": self.name}))
+            return
+        for i in range(req.sampling.max_tokens):
+            if self.die_after is not None and i == self.die_after:
+                raise ActorDiedError()
+            last = i == req.sampling.max_tokens - 1
+            if last and self.error_finish:
+                yield _done(EngineChunk("", [], finished=True, finish_reason="error"))
+                return
+            yield _done(EngineChunk(f"t{1000 + n + i}", [1000 + n + i], finished=last,
+                                    finish_reason="length" if last else None))
+            await asyncio.sleep(0)
+
+    def _abort(self, request_id: str) -> asyncio.Future:
+        self.aborted.append(request_id)
+        return _done(self.abort_answer)
+
+    def _release(self, request_id: str, kv_params: dict[str, Any]) -> asyncio.Future:
+        self.released.append((request_id, kv_params))
+        return _done(None)
+
+
+PROMPT = [1, 2, 3]
+UNDISTURBED = [1003 + i for i in range(8)]
+
+
+def routed(engines: list[EngineRef], **routing: Any) -> tuple[Router, list[Any]]:
+    reports: list[Any] = []
+    return Router(engines, RoutingConfig(**routing), report_failure=reports.append), reports
+
+
+def run(router: Router, max_tokens: int = 8, trace: RequestTrace | None = None) -> list[EngineChunk]:
+    async def go() -> list[EngineChunk]:
+        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=max_tokens, temperature=0.0), trace or RequestTrace())
+        return [c async for c in gen]
+
+    return asyncio.run(asyncio.wait_for(go(), timeout=30))
+
+
+def tokens(chunks: list[EngineChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_least_outstanding_never_picks_an_engine_whose_process_failed() -> None:
+    a, b = FakeEngine("a").ref("decode"), FakeEngine("b").ref("decode")
+    picker = EnginePicker([a, b], "least_outstanding")
+    picker.acquire(b)
+    picker.mark_failed(a)  # a dead engine has no requests in flight: it must still lose
+    assert {picker.pick().engine_id for _ in range(4)} == {"b"}  # type: ignore[union-attr]
+
+
+def test_a_new_incarnation_in_the_routing_table_ends_the_exclusion() -> None:
+    a = FakeEngine("a")
+    picker = EnginePicker([a.ref("decode", "i0")], "round_robin")
+    picker.mark_failed(a.ref("decode", "i0"))
+    assert picker.pick() is None
+    picker.set_engines([a.ref("decode", "i1")])
+    assert picker.pick() == a.ref("decode", "i1")
+
+
+def test_a_failed_prefill_is_retried_on_another_prefill_replica() -> None:
+    dead, live, d = FakeEngine("p0", reject=False, hang=False), FakeEngine("p1"), FakeEngine("d")
+    dead.generate = _Method(lambda req: _dying_stream())
+    router, reports = routed([dead.ref("prefill"), live.ref("prefill"), d.ref("decode")], policy="round_robin")
+    trace = RequestTrace()
+    assert tokens(run(router, trace=trace)) == UNDISTURBED
+    assert trace.prefill_engine == "p1" and trace.prefill_retries == 1 and trace.fallback is None
+    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p1"}
+    assert router.stats.retries == {"prefill_failed": 1}
+    assert [r.engine.engine_id for r in reports] == ["p0"]
+    assert router.pools["prefill"].pick().engine_id == "p1"  # type: ignore[union-attr]
+
+
+async def _dying_stream() -> AsyncIterator[Any]:
+    raise ActorDiedError()
+    yield  # pragma: no cover (makes this an async generator)
+
+
+def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
+    slow, fast, d = FakeEngine("p0", hang=True), FakeEngine("p1"), FakeEngine("d")
+    router, reports = routed([slow.ref("prefill"), fast.ref("prefill"), d.ref("decode")], policy="round_robin",
+                             prefill_timeout_s=0.2)
+    trace = RequestTrace()
+    assert tokens(run(router, trace=trace)) == UNDISTURBED
+    assert slow.aborted == ["r-p"] and trace.prefill_engine == "p1"
+    assert router.stats.retries == {"prefill_timeout": 1}
+    assert reports == []  # slow is not dead: it stays in routing
+
+
+def test_with_no_prefill_replica_left_the_decode_engine_prefills_itself() -> None:
+    p, d = FakeEngine("p0"), FakeEngine("d")
+    p.generate = _Method(lambda req: _dying_stream())
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    trace = RequestTrace()
+    assert tokens(run(router, trace=trace)) == UNDISTURBED
+    assert trace.fallback == "prefill_failed" and d.requests[0].kv_transfer_params is None
+    assert router.stats.fallbacks == {"prefill_failed": 1}
+
+
+def test_an_input_the_engine_rejects_is_not_retried() -> None:
+    p, d = FakeEngine("p0", reject=True), FakeEngine("d")
+    router, reports = routed([p.ref("prefill"), FakeEngine("p1").ref("prefill"), d.ref("decode")])
+    with pytest.raises(RayTaskError):
+        run(router)
+    assert reports == [] and d.requests == []
+
+
+def test_a_decode_engine_dying_mid_stream_hands_the_rest_to_another_decode_replica() -> None:
+    p, d0, d1 = FakeEngine("p"), FakeEngine("d0", die_after=3), FakeEngine("d1")
+    router, reports = routed([p.ref("prefill"), d0.ref("decode"), d1.ref("decode")], policy="round_robin")
+    trace = RequestTrace()
+    chunks = run(router, trace=trace)
+    assert tokens(chunks) == UNDISTURBED  # no token repeated or lost
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    resumed = d1.requests[0]
+    assert resumed.prompt_token_ids == PROMPT + UNDISTURBED[:3] and resumed.resume_from == len(PROMPT)
+    assert resumed.sampling.max_tokens == 5 and resumed.kv_transfer_params is None
+    assert trace.migrations == 1 and router.stats.migrations == 1
+    assert [r.engine.engine_id for r in reports] == ["d0"]
+
+
+def test_with_no_decode_replica_left_a_prefill_engine_serves_the_rest() -> None:
+    p, d = FakeEngine("p"), FakeEngine("d", die_after=2)
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    assert tokens(run(router)) == UNDISTURBED
+    assert p.requests[-1].prompt_token_ids == PROMPT + UNDISTURBED[:2]
+
+
+def test_a_request_the_engine_ends_with_an_error_moves_instead_of_returning_it() -> None:
+    p, d0, d1 = FakeEngine("p"), FakeEngine("d0", error_finish=True), FakeEngine("d1")
+    router, reports = routed([p.ref("prefill"), d0.ref("decode"), d1.ref("decode")], policy="round_robin")
+    chunks = run(router)
+    assert tokens(chunks) == UNDISTURBED and chunks[-1].finish_reason == "length"
+    assert all(c.finish_reason != "error" for c in chunks)
+    assert [r.engine_down for r in reports] == [False]  # the engine may be fine: checked, not skipped
+
+
+def test_migrations_stop_at_the_limit_with_a_clear_error() -> None:
+    engines = [FakeEngine("p").ref("prefill")] + [FakeEngine(f"d{i}", die_after=1).ref("decode") for i in range(3)]
+    router, _ = routed(engines, max_migrations=1)
+    with pytest.raises(MigrationLimitError, match="max_migrations is 1"):
+        run(router)
+    assert router.stats.failed == {"migration_limit": 1}
+
+
+def test_no_engine_left_is_a_clear_error_not_a_hang() -> None:
+    router, _ = routed([], )
+    router.disaggregated = False
+    router.pools = {"both": EnginePicker([], "least_outstanding")}
+    with pytest.raises(NoEngineError, match="no healthy engine"):
+        run(router)
+
+
+def _consume_until(router: Router, stop_after: int) -> None:
+    """Read `stop_after` chunks of a request, then leave (close the stream)."""
+    async def go() -> None:
+        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=8, temperature=0.0), RequestTrace())
+        for _ in range(stop_after):
+            await anext(gen)
+        await gen.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=30))
+
+
+def test_a_client_leaving_during_decode_aborts_the_decode_request() -> None:
+    p, d = FakeEngine("p"), FakeEngine("d")
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    _consume_until(router, 2)
+    assert d.aborted == ["r-d"] and router.stats.aborts == {"decode": 1} and router.stats.in_flight == 0
+
+
+def test_a_client_leaving_during_prefill_aborts_it_and_releases_kv_it_already_held() -> None:
+    p, d = FakeEngine("p", hang=True), FakeEngine("d")
+    p.abort_answer = {"remote_engine_id": "p", "remote_block_ids": [[4]]}  # it had just finished
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+
+    async def go() -> None:
+        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=8), RequestTrace())
+        task = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client's connection task is cancelled mid-prefill
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert p.aborted == ["r-p"]
+    assert d.released == [("r-p-release", p.abort_answer)]  # freed now, not at the lease's end
+    assert d.requests == [] and router.stats.aborts == {"prefill": 1}
+
+
+def test_a_client_leaving_before_the_first_token_aborts_the_decode_request_that_holds_the_pull() -> None:
+    """The decode request leaves with the prefill's answer; aborting it is what frees the
+    prefill's blocks (vLLM's decode side notifies the prefill side)."""
+    p, d = FakeEngine("p"), FakeEngine("d", hang=True)
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+
+    async def go() -> None:
+        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=8), RequestTrace())
+        task = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p"} and d.aborted == ["r-d"]
+    assert router.stats.aborts == {"handoff": 1} and router.stats.in_flight == 0
