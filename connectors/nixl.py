@@ -166,7 +166,10 @@ class TandemNixlWorker(NixlPullConnectorWorker):
 
 
 class TandemNixlConnector(NixlConnector):
-    """NixlConnector (pull mode) whose worker role is a TandemNixlWorker."""
+    """NixlConnector (pull mode) whose worker role is a TandemNixlWorker (or `worker_cls`, for
+    a subclass that changes the worker side)."""
+
+    worker_cls: type[TandemNixlWorker] = TandemNixlWorker
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # NixlConnector's own __init__ would build vLLM's worker (and its agent) first;
@@ -177,4 +180,4 @@ class TandemNixlConnector(NixlConnector):
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
-            self.connector_worker = TandemNixlWorker(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = self.worker_cls(vllm_config, self.engine_id, kv_cache_config)

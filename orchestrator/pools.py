@@ -267,13 +267,14 @@ class PoolManager:
         logger.warning("engine %s failed: %s; it leaves routing and restarts", r.engine_id, reason)
         r.last_error = reason
         self._set_state(r, "unhealthy")
-        if self.tier is not None and r.info is not None:
-            self.tier.release_engine(f"{r.engine_id}@{r.info.incarnation}")
-        r.info, r.load = None, None
-        r.restarts += 1
         if not dead:
             # A live process whose engine is dead or hung: kill it, Ray starts it anew.
             ray.kill(r.handle, no_restart=False)
+        if self.tier is not None and r.info is not None:
+            # Only once the process is gone: its slots are reused after a short quarantine.
+            self.tier.release_engine(f"{r.engine_id}@{r.info.incarnation}")
+        r.info, r.load = None, None
+        r.restarts += 1
         self._set_state(r, "restarting")
 
     async def _bring_up(self, r: Replica, first: bool) -> bool:

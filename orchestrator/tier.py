@@ -37,7 +37,7 @@ class CpuTier:
         self.namespace = namespace
         self.gcs_address = gcs_address
         self.app = cfg.serve.app_name
-        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app)).remote()
+        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app)).remote(self.app, namespace)
         self.stores: dict[str, Any] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
 

@@ -1,8 +1,9 @@
 """Fault injection for tests, loaded by engines through the config seam, never by production code.
 
-A deployment under test names the connector of its CPU tier child:
+A deployment under test names the connector of its CPU tier child, or its P/D connector:
 
     cpu_tier: {connector: CorruptingCpuTierConnector, module_path: tests.faults}
+    kv_transfer: {connector: FailingLoadNixlConnector, module_path: tests.faults}
 
 Engine processes import this module by that path (Ray puts the driver's working directory on
 their ``sys.path``, so run the tests from the repository root).
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.kv_index import BlockLocation
+from connectors.nixl import TandemNixlConnector, TandemNixlWorker
 from connectors.offload import TandemCpuTierConnector
 
 # Requests whose id contains this are the ones whose tier loads fail.
@@ -40,3 +42,26 @@ class CorruptingCpuTierConnector(TandemCpuTierConnector):
         if answered and FAIL_MARK in req_id and pending.locations:
             pending.locations = corrupted(pending.locations)
         return answered
+
+
+# Requests whose id contains this (a client's X-Request-Id becomes part of the engines'
+# request ids) have their decode engine's KV pull fail.
+KV_LOAD_FAILURE_MARK = "kvfail"
+
+
+class FailingLoadNixlWorker(TandemNixlWorker):
+    """Fails the KV pull of marked requests the way vLLM handles a read that cannot be posted
+    (the transfer is counted failed and the request reported in failed_recving), so the
+    decode engine's kv_load_failure_policy decides what the client gets."""
+
+    def _read_blocks(self, *, request_id: str, **kwargs: Any) -> bool:  # type: ignore[override]
+        if KV_LOAD_FAILURE_MARK in request_id:
+            self._handle_failed_transfer(request_id, None, self._recv_failures)
+            return False
+        return super()._read_blocks(request_id=request_id, **kwargs)
+
+
+class FailingLoadNixlConnector(TandemNixlConnector):
+    """TandemNixlConnector whose pulls of requests marked KV_LOAD_FAILURE_MARK fail."""
+
+    worker_cls = FailingLoadNixlWorker
