@@ -1,0 +1,183 @@
+"""The pool manager's pure parts: autoscaling decisions, the engines' load meter, placement
+shapes for tensor parallelism, core sharing for added replicas, and the operator's status view."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from actors.load import LoadMeter
+from orchestrator.autoscale import ScaleDecider
+from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
+from orchestrator.placement import actor_resources, least_used_cores, placement_bundles
+from orchestrator.protocol import DeploymentStatus, PoolStatus, ReplicaStatus, TierStatus
+from orchestrator.status import render, to_json
+
+# ---- autoscaling ------------------------------------------------------------------------
+
+
+def decider(**kw: float) -> ScaleDecider:
+    return ScaleDecider(AutoscalingConfig(target_per_replica=4, upscale_delay_s=5, downscale_delay_s=30, **kw), 1, 3)
+
+
+def test_the_pool_wants_total_load_over_target_within_its_bounds() -> None:
+    d = decider()
+    assert [d.wanted(load) for load in (0, 4, 4.1, 8, 9, 100)] == [1, 1, 2, 2, 3, 3]
+
+
+def test_growth_waits_for_the_upscale_delay_and_moves_one_replica_at_a_time() -> None:
+    d = decider()
+    assert d.decide(0.0, 12.0, 1) == 1
+    assert d.decide(4.9, 12.0, 1) == 1
+    assert d.decide(5.0, 12.0, 1) == 2  # wanted 3: one at a time
+    assert d.decide(5.1, 12.0, 2) == 2  # the next step waits for a new delay
+    assert d.decide(10.1, 12.0, 2) == 3
+
+
+def test_a_burst_shorter_than_the_delay_starts_nothing() -> None:
+    d = decider()
+    assert d.decide(0.0, 12.0, 1) == 1
+    assert d.decide(3.0, 2.0, 1) == 1  # the wish is interrupted
+    assert d.decide(6.0, 12.0, 1) == 1  # and starts over
+    assert d.decide(11.0, 12.0, 1) == 2
+
+
+def test_shrinking_waits_for_the_downscale_delay_and_never_goes_below_min() -> None:
+    d = decider()
+    assert d.decide(0.0, 0.0, 3) == 3
+    assert d.decide(29.0, 0.0, 3) == 3
+    assert d.decide(30.0, 0.0, 3) == 2
+    assert d.decide(100.0, 0.0, 1) == 1
+
+
+def test_pool_bounds_are_checked_against_the_starting_size() -> None:
+    with pytest.raises(ConfigError, match=r"replicas \(3\) must lie within min_replicas \(1\) and max_replicas \(2\)"):
+        parse_config({"prefill": {}, "decode": {"replicas": 3, "min_replicas": 1, "max_replicas": 2}})
+    pool = parse_config({"prefill": {}, "decode": {"max_replicas": 4}}).pools["decode"]
+    assert (pool.min_size, pool.replicas, pool.max_size, pool.autoscaled) == (1, 1, 4, True)
+    assert not PoolConfig(replicas=2).autoscaled
+
+
+# ---- the engines' load meter ------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_load_is_averaged_over_time_since_the_last_report() -> None:
+    clock = Clock()
+    meter = LoadMeter(clock)
+    meter.add(1, 100)  # a request arrives at 0 with 100 tokens to compute
+    clock.now = 1.0
+    meter.add(1, 50)  # another at 1 s
+    clock.now = 2.0
+    meter.add(-1, -100)  # the first leaves at 2 s
+    clock.now = 4.0
+    load = meter.report(kv_cache_usage=0.25)
+    # requests: 1 for 1 s, 2 for 1 s, 1 for 2 s = 5 request-seconds over 4 s
+    assert (load.num_requests, load.num_tokens) == (1, 50)
+    assert load.mean_requests == pytest.approx(5 / 4)
+    assert load.mean_tokens == pytest.approx((100 + 150 + 100) / 4)
+    assert load.kv_cache_usage == 0.25
+    clock.now = 6.0
+    assert meter.report(0.0).mean_requests == pytest.approx(1.0)  # a new window
+
+
+def test_a_request_shorter_than_the_period_still_shows_in_the_average() -> None:
+    clock = Clock()
+    meter = LoadMeter(clock)
+    clock.now = 0.5
+    meter.add(1, 10)
+    clock.now = 0.6
+    meter.add(-1, -10)
+    clock.now = 1.0
+    load = meter.report(0.0)
+    assert load.num_requests == 0 and load.mean_requests == pytest.approx(0.1)
+
+
+# ---- placement ---------------------------------------------------------------------------
+
+
+def test_a_tensor_parallel_gpu_replica_gets_one_gpu_bundle_per_rank_as_vllms_ray_executor_expects() -> None:
+    pool = PoolConfig(num_cpus=8, num_gpus=2, tensor_parallel_size=2)
+    assert placement_bundles(pool, "cuda") == [{"CPU": 8.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    # The engine actor sits in the CPU bundle; vLLM's workers take the GPUs.
+    assert actor_resources(pool, "cuda") == {"num_cpus": 8.0, "num_gpus": 0.0, "resources": {}}
+
+
+def test_the_gpu_example_config_has_the_shape_vllm_verifies() -> None:
+    from orchestrator.config import load_config
+    from orchestrator.specs import engine_spec
+    from orchestrator.placement import EngineSlot
+
+    cfg = load_config("examples/2p2d-gpu.json")
+    decode = cfg.pools["decode"]
+    bundles = placement_bundles(decode, cfg.device)
+    # vllm/v1/executor/ray_utils.py: every device bundle holds exactly one GPU, and there
+    # are at least world_size of them.
+    gpu_bundles = [b for b in bundles if b.get("GPU")]
+    assert len(gpu_bundles) == decode.tensor_parallel_size and all(b["GPU"] == 1 for b in gpu_bundles)
+    spec = engine_spec(cfg, "decode", "decode-0", EngineSlot("n", "10.0.0.1", "/m", 5600, None), None)
+    assert spec.engine_args["distributed_executor_backend"] == "ray" and spec.tensor_parallel_size == 2
+    prefill = cfg.pools["prefill"]
+    assert placement_bundles(prefill, cfg.device) == [{"CPU": 8.0, "GPU": 1.0}]
+
+
+def test_cpu_replicas_keep_one_bundle_whatever_their_tp() -> None:
+    assert placement_bundles(PoolConfig(num_cpus=2, tensor_parallel_size=2), "cpu") == [{"CPU": 2.0}]
+    assert placement_bundles(PoolConfig(num_cpus=0), "cpu") == [{"CPU": 0.001}]
+
+
+def test_an_added_engine_takes_an_even_share_of_the_least_used_cores() -> None:
+    cores = list(range(8))
+    assert least_used_cores(cores, []) == cores
+    assert least_used_cores(cores, [[0, 1, 2, 3, 4, 5, 6, 7]]) == [0, 1, 2, 3]
+    assert least_used_cores(cores, [[0, 1, 2, 3], [4, 5, 6, 7]]) == [0, 1]
+    assert least_used_cores(cores, [[0, 1, 2, 3]]) == [4, 5, 6, 7]  # a removed engine's cores are reused
+    assert least_used_cores([0, 1], [[0], [1]]) == [0]  # more engines than cores: shared
+
+
+# ---- the operator's view -----------------------------------------------------------------
+
+
+STATUS = DeploymentStatus(
+    "tandem",
+    [
+        PoolStatus("prefill", 1, 1, [ReplicaStatus("prefill-0", "healthy", "10.0.0.1", 41, 2, 0, "ab12")]),
+        PoolStatus("decode", 1, 2, [
+            ReplicaStatus("decode-0", "restarting", "10.0.0.1", None, 0, 1, None, "its process died"),
+            ReplicaStatus("decode-1", "healthy", "10.0.0.2", 77, 5, 0, "cd34"),
+        ]),
+    ],
+    TierStatus(blocks=12, capacity=48, pinned=1, stores={"node-a": (12, 48)}),
+)
+
+
+def test_health_is_degraded_while_every_pool_has_a_healthy_replica_and_down_when_one_has_none() -> None:
+    assert STATUS.health == "degraded"
+    down = msgspec.structs.replace(STATUS, pools=[STATUS.pools[1], PoolStatus("prefill", 1, 1, [])])
+    assert down.health == "down"
+
+
+def test_status_json_has_the_documented_shape() -> None:
+    data = json.loads(to_json(STATUS))
+    replica = data["pools"][1]["replicas"][0]
+    assert {"id", "state", "node", "pid", "outstanding", "restarts"} <= replica.keys()
+    assert [p["role"] for p in data["pools"]] == ["prefill", "decode"]
+    assert data["cpu_tier"]["blocks"] == 12 and data["cpu_tier"]["capacity"] == 48
+
+
+def test_the_status_table_names_each_replica_its_state_and_its_last_error() -> None:
+    text = render(STATUS)
+    assert "deployment tandem: degraded" in text
+    assert "decode pool: 1/2 healthy (min 1, max 2)" in text
+    line = next(line for line in text.splitlines() if "decode-0" in line)
+    assert "restarting" in line and "its process died" in line
+    assert "CPU tier: 12/48 blocks (25%), 1 pinned" in text
