@@ -432,6 +432,15 @@ class KVIndex:
         return s
 
 
+def store_actor_name(app_name: str, node_id: str) -> str:
+    """The named actor of a node's store (one per node that hosts engines)."""
+    return f"{app_name}:kv-store:{node_id[:12]}"
+
+
+def index_actor_name(app_name: str) -> str:
+    return f"{app_name}:kv-index"
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class KVIndexActor:
     """The index behind Ray calls. Calls are cheap and serialised by the actor; they carry
@@ -440,7 +449,7 @@ class KVIndexActor:
     Ray restarts it when it dies; it comes back empty (connectors see misses and skipped
     saves meanwhile, so engines keep serving by recomputing), grants nothing for
     `restart_quarantine_s`, and finds the live stores of `app_name` by their actor names
-    (``actors.kv_store.store_actor_name``) to register them again. Calls in flight when it
+    (``store_actor_name``) to register them again. Calls in flight when it
     dies fail rather than being retried (``max_task_retries=0``): a retried allocate or
     lookup would pin or reserve for a caller that already gave up on it."""
 
@@ -530,8 +539,6 @@ class _StoreSearch:
     store that is itself starting may be waiting on this very index)."""
 
     def __init__(self, app_name: str, namespace: str) -> None:
-        # Imported here: actors.kv_store imports this module.
-        from actors.kv_store import store_actor_name
 
         self.prefix = store_actor_name(app_name, "")
         self.namespace = namespace

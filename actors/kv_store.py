@@ -61,15 +61,6 @@ class StoreStats(msgspec.Struct, frozen=True):
     rss_bytes: int
 
 
-def store_actor_name(app_name: str, node_id: str) -> str:
-    """The named actor of a node's store (one per node that hosts engines)."""
-    return f"{app_name}:kv-store:{node_id[:12]}"
-
-
-def index_actor_name(app_name: str) -> str:
-    return f"{app_name}:kv-index"
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -15,8 +15,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.kv_index import KVIndexActor
-from actors.kv_store import KVStoreActor, TierSettings, index_actor_name, store_actor_name
+from actors.kv_index import KVIndexActor, index_actor_name, store_actor_name
+from actors.kv_store import KVStoreActor, TierSettings
 from actors.protocol import Role
 from orchestrator.config import TandemConfig
 from orchestrator.protocol import TierStatus

@@ -21,8 +21,8 @@ APP, NAMESPACE = "nixl-test", "tandem-test"
 
 @pytest.fixture(scope="module")
 def tier(ray_local: None) -> Iterator[tuple[Any, Any, str]]:
-    from actors.kv_index import KVIndexActor
-    from actors.kv_store import KVStoreActor, index_actor_name, store_actor_name
+    from actors.kv_index import KVIndexActor, index_actor_name, store_actor_name
+    from actors.kv_store import KVStoreActor
 
     index = KVIndexActor.options(name=index_actor_name(APP), namespace=NAMESPACE).remote(APP, NAMESPACE)
     node_id = ray.get_runtime_context().get_node_id()

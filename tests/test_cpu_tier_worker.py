@@ -351,7 +351,8 @@ def tier_actors() -> Iterator[tuple[Any, Any, str]]:
     """An index (restart quarantine shortened to RESTART_QUARANTINE_S) with a real store of a
     small pool, both named as a deployment names them."""
     from actors.kv_index import KVIndexActor
-    from actors.kv_store import KVStoreActor, index_actor_name, store_actor_name
+    from actors.kv_index import index_actor_name, store_actor_name
+    from actors.kv_store import KVStoreActor
 
     app, namespace = "restart-test", "tandem-test"
     index = KVIndexActor.options(name=index_actor_name(app), namespace=namespace).remote(
