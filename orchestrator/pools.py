@@ -144,6 +144,8 @@ class PoolManager:
         )
         self.replicas: dict[str, Replica] = {}
         self._next_index: dict[str, int] = {role: 0 for role in self.cfg.pools}
+        # Replicas being added (placement under way) per pool: they count as the pool's already.
+        self._growing: dict[str, int] = {role: 0 for role in self.cfg.pools}
         self._deciders = {
             role: ScaleDecider(pool.autoscaling, pool.min_size, pool.max_size)
             for role, pool in self.cfg.pools.items()
@@ -458,12 +460,13 @@ class PoolManager:
                     (r.load.mean_tokens if pool.autoscaling.metric == "outstanding_tokens" else r.load.mean_requests)
                     for r in active if r.load is not None and r.state == "healthy"
                 ]
-                target = decider.decide(time.monotonic(), sum(per_replica), len(active))
-                if target > len(active):
+                size = len(active) + self._growing[role]
+                target = decider.decide(time.monotonic(), sum(per_replica), size)
+                if target > size:
                     logger.info("pool %s: load %.1f over %d replicas asks for %d; adding one",
-                                pool_role(role), sum(per_replica), len(active), decider.wanted(sum(per_replica)))  # type: ignore[arg-type]
+                                pool_role(role), sum(per_replica), size, decider.wanted(sum(per_replica)))  # type: ignore[arg-type]
                     asyncio.ensure_future(self._grow(role))  # type: ignore[arg-type]
-                elif target < len(active):
+                elif target < size and active:
                     healthy = [r for r in active if r.state == "healthy"] or active
                     victim = min(healthy, key=lambda r: (r.load.num_requests if r.load else 0, -int(r.engine_id.rsplit("-", 1)[1])))
                     logger.info("pool %s: load %.1f asks for %d replicas; draining %s",
@@ -471,28 +474,34 @@ class PoolManager:
                     asyncio.ensure_future(self._retire(victim))
 
     async def _grow(self, role: Role) -> None:
-        engine_id = self._new_engine_id(role)
-        pg = self._reserve(role, engine_id)
+        self._growing[role] += 1
         try:
-            await asyncio.wait_for(pg.ready(), PLACEMENT_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            remove_placement_group(pg)
-            logger.warning("pool %s cannot grow: no resources for another replica within %.0f s (%s available)",
-                           pool_role(role), PLACEMENT_TIMEOUT_S, ray.available_resources())
-            return
-        node = placement_group_table(pg)["bundles_to_node_id"][0]
-        slot = await asyncio.to_thread(self.allocator.place_one, node, self.cfg.pools[role].tensor_parallel_size)
-        if self.tier is not None:
-            await self.tier.ensure_store(node)
-        self._launch(Replica(engine_id, role, pg, slot))
+            engine_id = self._new_engine_id(role)
+            pg = self._reserve(role, engine_id)
+            try:
+                await asyncio.wait_for(pg.ready(), PLACEMENT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                remove_placement_group(pg)
+                logger.warning("pool %s cannot grow: no resources for another replica within %.0f s (%s available)",
+                               pool_role(role), PLACEMENT_TIMEOUT_S, ray.available_resources())
+                return
+            node = placement_group_table(pg)["bundles_to_node_id"][0]
+            slot = await asyncio.to_thread(self.allocator.place_one, node, self.cfg.pools[role].tensor_parallel_size)
+            if self.tier is not None:
+                await self.tier.ensure_store(node)
+            self._launch(Replica(engine_id, role, pg, slot))
+        finally:
+            self._growing[role] -= 1
 
     async def _retire(self, r: Replica) -> None:
         """Drain a replica (out of routing, its requests finish), then stop it for good."""
         r.retiring = True
         self._set_state(r, "draining")
         deadline = time.monotonic() + self.cfg.pools[r.role].autoscaling.drain_timeout_s
-        while r.info is not None and (r.load is None or r.load.num_requests > 0) and time.monotonic() < deadline:
+        watched = r.task is not None and not r.task.done()  # its health calls keep r.load fresh
+        while watched and r.info is not None and (r.load is None or r.load.num_requests > 0) and time.monotonic() < deadline:
             await asyncio.sleep(self.health.period_s)
+            watched = r.task is not None and not r.task.done()
         if r.load is not None and r.load.num_requests > 0:
             logger.warning("engine %s still had %d requests after draining for %.0f s; stopping it anyway",
                            r.engine_id, r.load.num_requests, self.cfg.pools[r.role].autoscaling.drain_timeout_s)
