@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
@@ -86,6 +87,10 @@ class RunResult(msgspec.Struct, frozen=True):
     host_cpu: HostCpu | None = None  # None where /proc/stat is not there (not Linux)
     # The server's own processes, when it runs on this host and the caller said which they are.
     server_cpu: ServerCpu | None = None
+    # Unix time at which the measured phase began: what RequestResult.start counts from, so
+    # events outside the load generator (a fault injected mid-run) can be placed among the
+    # requests. None for runs made before it was recorded, and for direct-path runs.
+    started: float | None = None
 
 
 class _Usage(msgspec.Struct):
@@ -349,6 +354,7 @@ async def run_load(
     workload: WorkloadSpec | None = None,
     progress: bool = True,
     cpu_meter: CpuMeter | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
     """Drive one run against `base_url` and measure it.
 
@@ -359,7 +365,8 @@ async def run_load(
     fields to every request. `metric_names` are `/metrics` samples whose growth during the
     measured phase lands in the summary's `server_metrics`. `workload`, if given, is only
     recorded in the config. `cpu_meter`, if given, reads the server's processes over the
-    measured phase (`RunResult.server_cpu`).
+    measured phase (`RunResult.server_cpu`). `stop`, if given and set (from any thread),
+    ends sending early, as `duration_s` does.
     """
     if warmup < 0 or (concurrency is not None and concurrency < 1):
         raise ValueError("warmup must be >= 0 and concurrency >= 1")
@@ -391,10 +398,11 @@ async def run_load(
             await _warm_up(sender, requests[:warmup])
             bar.reset()
             before = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
-            results, elapsed, host_cpu, server_cpu = await _measure(sender, measured, schedule, duration_s, cpu_meter)
+            started = time.time()  # _measure starts its clock first thing: microseconds apart
+            results, elapsed, host_cpu, server_cpu = await _measure(sender, measured, schedule, duration_s, cpu_meter, stop)
             after = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
-    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu)
+    return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu, started=started)
 
 
 def cpu_times(path: str = "/proc/stat") -> list[int] | None:
@@ -425,19 +433,21 @@ async def _measure(
     schedule: Sequence[float],
     duration_s: float | None,
     cpu_meter: CpuMeter | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[list[RequestResult], float, HostCpu | None, ServerCpu | None]:
-    """Send on schedule; returns the results, seconds from the first send to the last end, how
-    busy this host was meanwhile, and what the server's processes used (with a `cpu_meter`)."""
+    """Send on schedule until `duration_s` or `stop`; returns the results, seconds from the
+    first send to the last end, how busy this host was meanwhile, and what the server's
+    processes used (with a `cpu_meter`)."""
+    start = time.perf_counter()
     cpu_before = cpu_times()
     server_before = cpu_meter.read() if cpu_meter else None
-    start = time.perf_counter()
     tasks: list[asyncio.Task[RequestResult]] = []
     for index, (request, offset) in enumerate(zip(requests, schedule)):
         if duration_s is not None and offset >= duration_s:
             break
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         await sender.acquire()
-        if duration_s is not None and time.perf_counter() - start >= duration_s:
+        if (duration_s is not None and time.perf_counter() - start >= duration_s) or (stop is not None and stop.is_set()):
             sender.release()
             break
         tasks.append(asyncio.create_task(sender.send(request, index, start)))
