@@ -8,7 +8,9 @@ A plain vLLM server (`vllm-server`) after Tandem's colocated:1 is run once more 
 ballast of the extra CPU Tandem's stack took, with the direct runs' prompts: what that CPU
 alone costs an engine. A NIXL microbenchmark of the model's KV block shapes then gives the
 raw bandwidth that serving's KV rate is set against. `--target-url` runs the same workload
-against any OpenAI-compatible server instead of deploying.
+against any OpenAI-compatible server instead of deploying. The fault scenarios
+(`fault:prefill`, `fault:decode`) are not swept: their 1P1D takes one load at the last rate
+while an engine is SIGKILLed (benchmarks/faults.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 
 from benchmarks.ballast import ballast
 from benchmarks.direct import run_direct
+from benchmarks.faults import FaultPlan, FaultReport, run_fault
 from benchmarks.loadgen import RunResult, run_load, run_sweep, scrape_metrics
 from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
 from benchmarks.phases import (
@@ -86,6 +89,11 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     out_dir: str | None = None  # default results/bench-<timestamp>
     overhead: bool = True  # also send the load straight to the engines
     nixl_micro: bool = True
+    # Fault scenarios: the kill comes this many seconds into the load, which then runs until
+    # `fault_tail_s` after the killed engine is healthy again, `fault_window_s` after the kill at most.
+    fault_after_s: float = 10.0
+    fault_window_s: float = 150.0
+    fault_tail_s: float = 10.0
 
 
 class CpuMatched(msgspec.Struct, frozen=True):
@@ -129,12 +137,13 @@ class BenchReport(msgspec.Struct, frozen=True):
     geometry: KVGeometry | None = None
     micro: list[MicroResult] = []
     elapsed_s: float = 0.0
+    faults: list[FaultReport] = []  # one per fault scenario, in the order run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `tandem bench` options (defaults from BenchOptions)."""
     d = BenchOptions()
-    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
+    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="measured requests per rate (default %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
@@ -154,6 +163,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", dest="out_dir", help="output folder (default results/bench-<timestamp>)")
     p.add_argument("--no-overhead", dest="overhead", action="store_false", help="skip the direct-to-engine runs (and with them the CPU-matched vLLM server runs)")
     p.add_argument("--no-nixl-micro", dest="nixl_micro", action="store_false", help="skip the NIXL microbenchmark")
+    p.add_argument("--fault-after", type=float, default=d.fault_after_s, dest="fault_after_s", help="fault scenarios: SIGKILL this many seconds into the load (default %(default)s)")
+    p.add_argument("--fault-window", type=float, default=d.fault_window_s, dest="fault_window_s", help="fault scenarios: most seconds of load after the kill (default %(default)s)")
+    p.add_argument("--fault-tail", type=float, default=d.fault_tail_s, dest="fault_tail_s", help="fault scenarios: seconds of load after the killed engine is healthy again (default %(default)s)")
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -164,6 +176,15 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 def scenario_names(opts: BenchOptions) -> str:
     """The scenarios asked for, or the default for where the bench runs (one machine or a cluster)."""
     return opts.scenarios or (DEFAULT_CLUSTER_SCENARIOS if opts.address else DEFAULT_SCENARIOS)
+
+
+def checked_scenarios(opts: BenchOptions) -> list[Scenario]:
+    """The scenarios to run; ValueError for a bad name, or for a fault scenario on a cluster
+    (it SIGKILLs an engine's pid, which means something on this host only)."""
+    scenarios = parse_scenarios(scenario_names(opts))
+    if opts.address and (faulty := [s.name for s in scenarios if s.fault]):
+        raise ValueError(f"{', '.join(faulty)}: fault scenarios SIGKILL engine processes on this host, so they run on the embedded Ray only, not with --address")
+    return scenarios
 
 
 def base_config(opts: BenchOptions) -> TandemConfig:
@@ -295,10 +316,24 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
     return ScenarioReport(scenario, target.startup_s, runs, [d for d, _ in direct], phases_ms, overhead, slowest or None), geometry
 
 
+def run_fault_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> FaultReport:
+    """Deploy the scenario's 1P1D and kill its engine under one load at the sweep's last rate,
+    with that point's seed: the same prompts and arrivals as its sweep point, extended."""
+    o = setup.opts
+    plan = FaultPlan(o.fault_after_s, o.fault_window_s, o.fault_tail_s)
+    rate, seed = o.rates[-1], o.seed + len(o.rates) - 1
+    requests = setup.workload.sample(o.warmup + plan.num_requests(rate), seed, setup.tokenizer)
+    with deployed(scenario, setup.base, setup.port, log_dir) as target:
+        logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
+        return run_fault(target, scenario, plan, requests, warmup=o.warmup, rate=rate, seed=seed, slo=setup.slo,
+                         request_timeout_s=o.request_timeout_s, workload=setup.workload)
+
+
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     """Every scenario in turn (at most one deployed at a time), then the NIXL microbenchmark."""
     t0 = time.perf_counter()
     opts = msgspec.structs.replace(opts, scenarios=scenario_names(opts))  # so that bench.json names what ran
+    scenarios = checked_scenarios(opts)
     base = base_config(opts)
     tokenizer = load_tokenizer(opts.tokenizer or resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
@@ -310,10 +345,12 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
         target = Scenario("target", "external")
         report = ScenarioReport(target, 0.0, _sweep(setup, opts.target_url.rstrip("/").removesuffix("/v1"), model, "target", [], None))
         return BenchReport(opts, command, [report], elapsed_s=time.perf_counter() - t0)
-    scenarios = parse_scenarios(opts.scenarios)
-    reports, geometry = [], None
+    reports, faults, geometry = [], [], None
     with shared_ray(base, scenarios, opts.address):
         for scenario in scenarios:
+            if scenario.fault:
+                faults.append(run_fault_scenario(setup, scenario, out / "logs"))
+                continue
             reference = next((r for r in reports if r.scenario.name == REFERENCE_SCENARIO), None) if scenario.kind == "vllm-server" else None
             report, found = run_scenario(setup, scenario, out / "logs", reference)
             reports.append(report)
@@ -321,7 +358,7 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     micro = []
     if opts.nixl_micro and geometry is not None:
         micro = run_micro(geometry, standard_sizes(geometry, opts.input_len))
-    return BenchReport(opts, command, reports, geometry, micro, time.perf_counter() - t0)
+    return BenchReport(opts, command, reports, geometry, micro, time.perf_counter() - t0, faults)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -331,6 +368,11 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bars
     opts = options_from_args(args)
+    try:
+        checked_scenarios(opts)
+    except ValueError as err:
+        print(f"tandem bench: {err}", file=sys.stderr)
+        return 2
     out = Path(opts.out_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     report = run_bench(opts, out)
     summary = write_bench_report(report, out)

@@ -2,7 +2,8 @@
 
 summary.md is what people read (and what the command prints): the results table, where TTFT
 goes, what the HTTP path adds over calling the engines directly, KV transfer efficiency
-against raw NIXL, and Tandem's colocated engine against a plain vLLM server when both ran.
+against raw NIXL, Tandem's colocated engine against a plain vLLM server when both ran, and
+the fault scenarios' detection, recovery, lost requests and TTFT around the kill.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 import msgspec
 
 from benchmarks.bench import BenchReport, ScenarioReport
+from benchmarks.faults import FAULT_COUNTERS, GOAL_DETECT_S, GOAL_LOST, GOAL_RECOVER_S, FaultReport, WindowName
 from benchmarks.nixl_micro import markdown as micro_markdown
 from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_SLOW, KV_TRANSFERS, PER_REQUEST_METRICS, engine_first_token_ms, engine_tpot_ms
 from benchmarks.loadgen import RunResult
-from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, save_json
+from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, plot_ttft_timeline, save_json
 from benchmarks.server_cpu import ServerCpu
 
 # Tandem's colocated engine and a plain vLLM server should agree within this (issue 4).
@@ -182,10 +184,48 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_WINDOWS: tuple[tuple[WindowName, str], ...] = (
+    ("before", "answered before the kill"), ("during", "during the fault (answered after the kill, sent before recovery)"), ("after", "sent after recovery"))
+
+
+def _seconds_against(value: float | None, goal: float) -> str:
+    return "not seen ✗" if value is None else f"{value:.2f} {'✓' if value < goal else '✗'}"
+
+
+def fault_table(faults: Sequence[FaultReport]) -> str:
+    """One column per fault scenario, each figure beside its goal (✓ met, ✗ missed); then the
+    errors of the requests lost."""
+    if not faults:
+        return ""
+    rows: list[tuple[str, str, list[str]]] = [
+        ("engine killed (SIGKILL)", "", [f"{f.victim}, pid {f.pid}, {f.kill_s:.1f} s into the load" for f in faults]),
+        ("time to detect (s): kill to out of routing", f"< {GOAL_DETECT_S:g}", [_seconds_against(f.detect_s, GOAL_DETECT_S) for f in faults]),
+        ("time to recover (s): kill to healthy again, restart counted", f"< {GOAL_RECOVER_S:g}", [_seconds_against(f.recover_s, GOAL_RECOVER_S) for f in faults]),
+        ("requests lost", str(GOAL_LOST), [f"{f.num_lost} of {f.run.summary.num_requests} {'✓' if f.num_lost <= GOAL_LOST else '✗'}" for f in faults]),
+    ]
+    for name, words in _WINDOWS:
+        cells = []
+        for f in faults:
+            w = f.window(name)
+            failed = f", {w.num_failed} failed" if w.num_failed else ""
+            cells.append(f"{_ms(w.ttft_ms.p50)} / {_ms(w.ttft_ms.p99)} (n={w.num_requests}{failed})")
+        rows.append((f"TTFT p50 / p99 (ms), requests {words}", "", cells))
+    rows += [(f"{name} over the run", "", [f"{f.counter(name):.0f}" for f in faults]) for name in FAULT_COUNTERS]
+    rows.append(("victim's state (s from the kill)", "", [", ".join(f"{s.state}{f' (pid {s.pid})' if s.pid else ''} {s.t - f.kill_s:+.2f}" for s in f.timeline) for f in faults]))
+    rows.append(("status answers / longest gap between two (s)", "", [f"{f.num_samples} / {f.max_gap_s:.2f}" for f in faults]))
+    lines = ["| | Goal | " + " | ".join(f.scenario.name for f in faults) + " |", "| --- | --- |" + " --- |" * len(faults)]
+    lines += [f"| {label} | {goal} | " + " | ".join(cells) + " |" for label, goal, cells in rows]
+    lost = [f"- {f.scenario.name}: {n} × `{error}`" for f in faults for error, n in f.run.summary.errors.items()]
+    if lost:
+        lines += ["", "Requests lost, by error:", "", *lost]
+    plots = ", ".join(f"[{_slug(f.scenario.name)}.png]({_slug(f.scenario.name)}.png)" for f in faults)
+    return "\n".join(lines) + f"\n\nEach request's TTFT against its send time, with the kill, detection and recovery: {plots}.\n"
+
+
 def summary_markdown(report: BenchReport) -> str:
     o = report.options
     runs = [r for s in report.scenarios for r in s.runs]
-    env = runs[0].environment if runs else None
+    env = next((r.environment for r in [*runs, *(f.run for f in report.faults)]), None)
     parts = [
         "# Tandem bench\n",
         f"Command: `{report.command}`  ",
@@ -196,16 +236,24 @@ def summary_markdown(report: BenchReport) -> str:
     if env:
         parts.append(f"Machine: {env.cpu_count} CPUs, {env.platform}, Python {env.python}; {', '.join(f'{k} {v}' for k, v in env.versions.items())}.  ")
     parts.append(f"Whole run: {report.elapsed_s / 60:.1f} min; start-up per scenario: "
-                 + ", ".join(f"{s.scenario.name} {s.startup_s:.0f} s" for s in report.scenarios) + ".\n")
-    parts += ["## Serving over HTTP (latencies p50 / p99)\n", markdown_table([_headline(r) for r in runs], PER_REQUEST_METRICS)]
+                 + ", ".join(f"{s.scenario.name} {s.startup_s:.0f} s" for s in [*report.scenarios, *report.faults]) + ".\n")
+    if runs:
+        parts += ["## Serving over HTTP (latencies p50 / p99)\n", markdown_table([_headline(r) for r in runs], PER_REQUEST_METRICS)]
     sections = (
         (f"## Where TTFT goes (rate {o.rates[0]:g} req/s; HTTP = through Tandem's endpoint, direct = router in the bench process)\n", phase_table(report.scenarios)),
         ("## Orchestration overhead: Tandem's HTTP path over calling the engine actors directly\n", overhead_table(report.scenarios)),
         ("## KV transfer efficiency\n", transfer_table(report)),
         ("## Tandem colocated vs a plain vLLM server\n", vllm_comparison(report.scenarios)),
+        (_fault_heading(report), fault_table(report.faults)),
     )
     parts += [part for heading, table in sections if table for part in (heading, table)]
     return "\n".join(parts)
+
+
+def _fault_heading(report: BenchReport) -> str:
+    o = report.options
+    return (f"## Faults: one engine SIGKILLed {o.fault_after_s:g} s into a load at {o.rates[-1]:g} req/s (until {o.fault_tail_s:g} s "
+            f"after recovery, {o.fault_window_s:g} s after the kill at most)\n")
 
 
 def write_bench_report(report: BenchReport, out: Path) -> Path:
@@ -219,9 +267,15 @@ def write_bench_report(report: BenchReport, out: Path) -> Path:
             save_json(run, out / f"{_slug(s.scenario.name)}-direct-{k:02d}-rate-{run.config.rate:g}.json")
         for k, matched in enumerate(s.cpu_matched):
             save_json(matched.run, out / f"{_slug(s.scenario.name)}-cpu-matched-{k:02d}-rate-{matched.run.config.rate:g}.json")
-    (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
-    plot_latency_vs_load(sweeps, out / "latency.png")
-    plot_goodput(sweeps, out / "goodput.png")
+    if sweeps:
+        (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
+        plot_latency_vs_load(sweeps, out / "latency.png")
+        plot_goodput(sweeps, out / "goodput.png")
+    for f in report.faults:
+        name = _slug(f.scenario.name)
+        (out / f"{name}.json").write_bytes(msgspec.json.format(msgspec.json.encode(f), indent=2))
+        events = {"SIGKILL": f.kill_s, "out of routing": f.detected_at, "healthy again": f.recovered_at}
+        plot_ttft_timeline(f.run, events, out / f"{name}.png", f"{f.scenario.name}: {f.victim} SIGKILLed under load at {f.run.config.rate:g} req/s")
     phases = {name: {p: max(0.0, ms) / 1000 for p, ms in v.items()} for s in report.scenarios for name, v in s.phases_ms.items()}
     if phases:
         plot_phase_breakdown(phases, out / "phases.png", title="Where time to first token goes (mean per request)")

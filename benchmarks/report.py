@@ -30,6 +30,7 @@ _LATENCIES = (  # summary field, panel title
     ("e2e_ms", "End-to-end latency"),
 )
 _PERCENTILE_STYLES = (("p50", "-", "o"), ("p90", "-.", "^"), ("p99", "--", "s"))
+_EVENT_COLORS = ("C3", "C1", "C2", "C4", "C5")  # red, orange, green, ...: a fault, its detection, recovery
 
 
 def save_json(result: RunResult, path: str | Path, include_requests: bool = True) -> Path:
@@ -236,6 +237,35 @@ def plot_phase_breakdown(
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)
 
+
+
+def plot_ttft_timeline(
+    run: RunResult,
+    events: Mapping[str, float | None],
+    path: str | Path,
+    title: str,
+) -> Path:
+    """Each request's TTFT against when it was sent, failed requests marked along the time
+    axis, and a vertical line per event (seconds from the run's start; None: it did not
+    happen). The TTFT axis is logarithmic: a fault's outliers and steady serving both show."""
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    ax = fig.subplots()
+    ok = [(r.start, 1000 * r.ttft) for r in run.requests if r.ok and r.ttft is not None]
+    failed = [r.start for r in run.requests if not r.ok]
+    ax.scatter([x for x, _ in ok], [y for _, y in ok], s=12, color="C0", label=f"TTFT ({len(ok)} requests)")
+    if failed:
+        ax.scatter(failed, [0.02] * len(failed), marker="x", color="black", transform=ax.get_xaxis_transform(), label=f"failed ({len(failed)})")
+    for k, (name, t) in enumerate(events.items()):
+        if t is not None:
+            ax.axvline(t, color=_EVENT_COLORS[k % len(_EVENT_COLORS)], linestyle="--", linewidth=1.2, label=f"{name} ({t:.2f} s)")
+    if ok:
+        ax.set_yscale("log")
+    ax.set_xlabel("Sent at (s from the load's start)")
+    ax.set_ylabel("Time to first token (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small", loc="upper left")
+    return _save(fig, path)
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "run"

@@ -4,8 +4,10 @@ A scenario is named on the command line: `colocated:N` (N engines that prefill a
 themselves, behind the same router: the baseline), `<P>p<D>d` (P prefill and D decode engines,
 KV moved by the configured connector), or `vllm-server` (a plain `vllm.entrypoints.openai.
 api_server` subprocess with the same model and engine args, to check that Tandem's colocated
-figures match vLLM's own). Every Tandem scenario is the bench's base config with only its pools
-replaced, so the model, engine args, connector settings and core binding stay the same.
+figures match vLLM's own), or `fault:prefill` / `fault:decode` (a 1P1D whose prefill or decode
+engine is SIGKILLed under load: benchmarks/faults.py). Every Tandem scenario is the bench's
+base config with only its pools replaced, so the model, engine args, connector settings and
+core binding stay the same.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from orchestrator.placement import omp_binding
 
 # "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
 ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "external"]
+FaultRole = Literal["prefill", "decode"]
 
 # On one machine the default also runs a plain vLLM server, the reference Tandem's colocated
 # engine is compared with; on a cluster (--address) that server would start on the bench's
@@ -41,6 +44,7 @@ DEFAULT_CLUSTER_SCENARIOS = "colocated:1,1p1d"
 
 _COLOCATED = re.compile(r"^colocated(?::(?P<n>\d+))?$")
 _XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d$")
+_FAULT = re.compile(r"^fault:(?P<role>prefill|decode)$")
 
 
 class Scenario(msgspec.Struct, frozen=True):
@@ -50,6 +54,9 @@ class Scenario(msgspec.Struct, frozen=True):
     kind: ScenarioKind
     num_prefill: int = 0
     num_decode: int = 0  # decode engines, or colocated engines
+    # fault:<role>: the role whose first engine is SIGKILLed under load (a disaggregated
+    # scenario measured for detection and recovery, not swept); None for every other scenario.
+    fault: FaultRole | None = None
 
     @property
     def num_engines(self) -> int:
@@ -61,7 +68,7 @@ class Scenario(msgspec.Struct, frozen=True):
 
 
 def parse_scenario(text: str) -> Scenario:
-    """`colocated[:N]`, `<P>p<D>d` or `vllm-server` (case-insensitive); ValueError otherwise."""
+    """`colocated[:N]`, `<P>p<D>d`, `vllm-server` or `fault:<prefill|decode>` (case-insensitive); ValueError otherwise."""
     name = text.strip().lower()
     if name == "vllm-server":
         return Scenario(name, "vllm-server", num_decode=1)
@@ -75,7 +82,9 @@ def parse_scenario(text: str) -> Scenario:
         if p < 1 or d < 1:
             raise ValueError(f"scenario {text!r}: disaggregated serving needs at least 1 prefill and 1 decode engine")
         return Scenario(f"{p}p{d}d", "disaggregated", num_prefill=p, num_decode=d)
-    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d (e.g. 1p1d, 2p1d) or vllm-server")
+    if m := _FAULT.match(name):
+        return Scenario(name, "disaggregated", num_prefill=1, num_decode=1, fault=m["role"])
+    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d (e.g. 1p1d, 2p1d), vllm-server, fault:prefill or fault:decode")
 
 
 def parse_scenarios(text: str) -> list[Scenario]:

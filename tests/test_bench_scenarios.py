@@ -60,13 +60,15 @@ BASE = parse_config({
         ("1p1d", Scenario("1p1d", "disaggregated", num_prefill=1, num_decode=1)),
         (" 2P1D ", Scenario("2p1d", "disaggregated", num_prefill=2, num_decode=1)),
         ("vllm-server", Scenario("vllm-server", "vllm-server", num_decode=1)),
+        ("fault:prefill", Scenario("fault:prefill", "disaggregated", num_prefill=1, num_decode=1, fault="prefill")),
+        ("Fault:Decode", Scenario("fault:decode", "disaggregated", num_prefill=1, num_decode=1, fault="decode")),
     ],
 )
 def test_scenario_names_parse_to_pools(text: str, expected: Scenario) -> None:
     assert parse_scenario(text) == expected
 
 
-@pytest.mark.parametrize("text", ["colocated:0", "0p1d", "1p0d", "p1d", "monolithic", "colocated:x"])
+@pytest.mark.parametrize("text", ["colocated:0", "0p1d", "1p0d", "p1d", "monolithic", "colocated:x", "fault", "fault:both", "fault:colocated"])
 def test_a_bad_scenario_name_says_what_is_accepted(text: str) -> None:
     with pytest.raises(ValueError, match=r"scenario|engine"):
         parse_scenario(text)
