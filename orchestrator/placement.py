@@ -7,6 +7,7 @@ single node.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import Counter, defaultdict
 from typing import Any
@@ -46,18 +47,16 @@ def _probe(model_source: str) -> tuple[list[int], str]:
     return sorted(os.sched_getaffinity(0)), resolve_local(model_source)
 
 
-def node_facts(node_ids: set[str], model_source: str) -> dict[str, NodeFacts]:
-    """Probe each node with a zero-CPU task pinned to it: usable cores and the model folder."""
+async def node_facts(node_ids: set[str], model_source: str) -> dict[str, NodeFacts]:
+    """Probe each node with a zero-CPU task pinned to it: usable cores and the model folder.
+    (Awaited, so the pool manager's event loop keeps serving while a node prepares the model.)"""
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-    refs = {
-        nid: _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(model_source)
-        for nid in node_ids
-    }
-    facts = {}
-    for nid, ref in refs.items():
-        cores, model_path = ray.get(ref)
-        facts[nid] = NodeFacts(nid, ips[nid], cores, model_path)
-    return facts
+    nids = sorted(node_ids)
+    answers = await asyncio.gather(*(
+        _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(model_source)
+        for nid in nids
+    ))
+    return {nid: NodeFacts(nid, ips[nid], cores, model_path) for nid, (cores, model_path) in zip(nids, answers)}
 
 
 def _share(items: list[int], parts: int, i: int) -> list[int]:
@@ -94,7 +93,7 @@ def assign_slots(
     tp_sizes: list[int],
     base_port: int,
     bind_cores: bool,
-    model_source: str,
+    facts: dict[str, NodeFacts],
 ) -> list[EngineSlot]:
     """Give every engine a distinct side-channel port on its host and its own cores.
 
@@ -103,7 +102,6 @@ def assign_slots(
     raylets sharing a machine) never hand out the same port twice. Cores are split among
     the engines of each Ray node, which is what its affinity mask covers.
     """
-    facts = node_facts(set(replica_nodes), model_source)
     per_node: dict[str, list[int]] = defaultdict(list)
     per_ip: dict[str, list[int]] = defaultdict(list)
     for i, nid in enumerate(replica_nodes):
@@ -137,14 +135,14 @@ class SlotAllocator:
         self._facts: dict[str, NodeFacts] = {}
         self._live: list[EngineSlot] = []
 
-    def place_all(self, replica_nodes: list[str], tp_sizes: list[int]) -> list[EngineSlot]:
-        slots = assign_slots(replica_nodes, tp_sizes, self.base_port, self.bind_cores, self.model_source)
+    async def place_all(self, replica_nodes: list[str], tp_sizes: list[int]) -> list[EngineSlot]:
+        await self._probe(set(replica_nodes))
+        slots = assign_slots(replica_nodes, tp_sizes, self.base_port, self.bind_cores, self._facts)
         self._live.extend(slots)
         return slots
 
-    def place_one(self, node_id: str, tp: int) -> EngineSlot:
-        if node_id not in self._facts:
-            self._facts.update(node_facts({node_id}, self.model_source))
+    async def place_one(self, node_id: str, tp: int) -> EngineSlot:
+        await self._probe({node_id})
         f = self._facts[node_id]
         used_ports = {s.side_channel_port for s in self._live if s.node_ip == f.node_ip}
         port = next(p for p in range(self.base_port, 65536) if p not in used_ports)
@@ -155,6 +153,10 @@ class SlotAllocator:
 
     def release(self, slot: EngineSlot) -> None:
         self._live.remove(slot)
+
+    async def _probe(self, node_ids: set[str]) -> None:
+        if new := node_ids - self._facts.keys():
+            self._facts.update(await node_facts(new, self.model_source))
 
 
 def least_used_cores(cores: list[int], live: list[list[int]]) -> list[int]:

@@ -173,11 +173,10 @@ class PoolManager:
             for _ in range(pool.replicas):
                 engine_id = self._new_engine_id(role)  # type: ignore[arg-type]
                 planned.append((role, engine_id, self._reserve(role, engine_id)))  # type: ignore[arg-type]
-        ready, _ = await asyncio.to_thread(
-            ray.wait, [pg.ready() for _, _, pg in planned], num_returns=len(planned), timeout=PLACEMENT_TIMEOUT_S
-        )
-        if len(ready) < len(planned):
-            missing = [eid for _, eid, pg in planned if pg.ready() not in ready]
+        waits = [asyncio.ensure_future(_resolve(pg.ready())) for _, _, pg in planned]
+        _, pending = await asyncio.wait(waits, timeout=PLACEMENT_TIMEOUT_S)
+        if pending:
+            missing = [eid for (_, eid, _), w in zip(planned, waits) if w in pending]
             for _, _, pg in planned:
                 remove_placement_group(pg)
             raise DeployError(
@@ -187,7 +186,7 @@ class PoolManager:
             )
         nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for _, _, pg in planned]
         tps = [self.cfg.pools[role].tensor_parallel_size for role, _, _ in planned]
-        slots = await asyncio.to_thread(self.allocator.place_all, nodes, tps)
+        slots = await self.allocator.place_all(nodes, tps)
         if self.tier is not None:
             await asyncio.gather(*(self.tier.ensure_store(n) for n in sorted(set(nodes))))
         for (role, engine_id, pg), slot in zip(planned, slots):
@@ -319,7 +318,7 @@ class PoolManager:
         node = placement_group_table(r.pg)["bundles_to_node_id"].get(0)
         if node is not None and node != r.slot.node_id:
             self.allocator.release(r.slot)
-            r.slot = await asyncio.to_thread(self.allocator.place_one, node, self.cfg.pools[r.role].tensor_parallel_size)
+            r.slot = await self.allocator.place_one(node, self.cfg.pools[r.role].tensor_parallel_size)
             if self.tier is not None:
                 await self.tier.ensure_store(node)
         self._create_actor(r)
@@ -486,7 +485,7 @@ class PoolManager:
                                pool_role(role), PLACEMENT_TIMEOUT_S, ray.available_resources())
                 return
             node = placement_group_table(pg)["bundles_to_node_id"][0]
-            slot = await asyncio.to_thread(self.allocator.place_one, node, self.cfg.pools[role].tensor_parallel_size)
+            slot = await self.allocator.place_one(node, self.cfg.pools[role].tensor_parallel_size)
             if self.tier is not None:
                 await self.tier.ensure_store(node)
             self._launch(Replica(engine_id, role, pg, slot))

@@ -104,9 +104,12 @@ def engine_spec(cfg: TandemConfig, role: Role, engine_id: str, slot: EngineSlot,
     if cfg.cpu_tier.enabled:
         # The tier connector handles one KV cache group (no hybrid KV cache manager).
         engine_args = {**engine_args, "disable_hybrid_kv_cache_manager": True}
-    if cfg.device == "cuda" and pool.tensor_parallel_size > 1:
-        # One Ray worker per TP rank, in the replica's GPU bundles (placement.placement_bundles).
-        engine_args = {"distributed_executor_backend": "ray", **engine_args}
+    if pool.tensor_parallel_size > 1:
+        # On GPUs one Ray worker per TP rank, in the replica's GPU bundles
+        # (placement.placement_bundles); on CPU hosts local processes: inside a Ray actor vLLM
+        # would otherwise pick its Ray executor, whose workers need device bundles.
+        backend = "ray" if cfg.device == "cuda" else "mp"
+        engine_args = {"distributed_executor_backend": backend, **engine_args}
     return EngineSpec(
         engine_id=engine_id,
         role=role,

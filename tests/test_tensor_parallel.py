@@ -1,0 +1,42 @@
+"""A tensor-parallel replica on the CPU build: two TP ranks as local worker processes of one
+engine, each bound to its own core (the GPU placement shape is checked in test_pool_logic.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psutil
+import pytest
+
+from actors.protocol import EngineRequest, SamplingOptions
+from orchestrator.config import parse_config
+from orchestrator.deploy import Deployment
+from orchestrator.router import stream_engine
+
+pytestmark = pytest.mark.engines
+
+
+def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local: None, tiny_model: Any) -> None:
+    cfg = parse_config({
+        "colocated": {"tensor_parallel_size": 2, "num_cpus": 2},
+        "cpu_tier": {"enabled": False},
+        "engine_args": {"max_model_len": 512},
+        "serve": {"app_name": "tp2"},
+    })
+    deployment = Deployment(cfg)
+    (engine,) = deployment.start()
+    try:
+        (info,) = deployment.infos
+
+        async def generate() -> list[int]:
+            req = EngineRequest("tp2", [5, 77, 300, 12], SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True))
+            return [t async for c in stream_engine(engine, req) for t in c.token_ids]
+
+        assert len(asyncio.run(generate())) == 8
+        workers = [psutil.Process(p) for p in info.child_pids if psutil.Process(p).name().startswith("VLLM::Worker_TP")]
+        assert sorted(w.name() for w in workers) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+        # One OpenMP binding per rank, "|"-separated (placement.omp_binding).
+        assert info.cpu_binding is not None and len(info.cpu_binding.split("|")) == 2
+    finally:
+        deployment.stop()
