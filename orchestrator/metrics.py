@@ -43,25 +43,27 @@ def _replica_families(app: str, status: DeploymentStatus | None) -> Iterable[Met
     return [up, state, restarts, outstanding, healthy]
 
 
+def _counted(name: str, doc: str, app: str, label: str, counts: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=["app", label])
+    for value, n in counts.items():
+        family.add_metric([app, value], n)
+    return family
+
+
 def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     """This ingress replica's router: failover and cancellation counts, requests in flight."""
-    retries = CounterMetricFamily("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", labels=["app", "reason"])
-    for reason, n in stats.retries.items():
-        retries.add_metric([app, reason], n)
-    fallbacks = CounterMetricFamily("tandem_fallbacks", "Requests that left the disaggregated path, by reason", labels=["app", "reason"])
-    for reason, n in stats.fallbacks.items():
-        fallbacks.add_metric([app, reason], n)
     migrations = CounterMetricFamily("tandem_migrations", "Requests moved to another engine mid-stream after the engine serving them failed", labels=["app"])
     migrations.add_metric([app], stats.migrations)
-    failed = CounterMetricFamily("tandem_requests_failed", "Requests that could not be served: no engine left, or past routing.max_migrations", labels=["app", "reason"])
-    for reason, n in stats.failed.items():
-        failed.add_metric([app, reason], n)
-    aborted = CounterMetricFamily("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", labels=["app", "phase"])
-    for phase, n in stats.aborts.items():
-        aborted.add_metric([app, phase], n)
     in_flight = GaugeMetricFamily("tandem_requests_in_flight", "Requests this ingress replica is serving", labels=["app"])
     in_flight.add_metric([app], stats.in_flight)
-    return [retries, fallbacks, migrations, failed, aborted, in_flight]
+    return [
+        _counted("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
+        _counted("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
+        migrations,
+        _counted("tandem_requests_failed", "Requests that could not be served: no engine left, or past routing.max_migrations", app, "reason", stats.failed),
+        _counted("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", app, "phase", stats.aborts),
+        in_flight,
+    ]
 
 
 def _engine_families(app: str, stats: Sequence[EngineStats], outstanding: dict[str, int]) -> Iterable[Metric]:
