@@ -181,3 +181,18 @@ def test_the_status_table_names_each_replica_its_state_and_its_last_error() -> N
     line = next(line for line in text.splitlines() if "decode-0" in line)
     assert "restarting" in line and "its process died" in line
     assert "CPU tier: 12/48 blocks (25%), 1 pinned" in text
+
+
+def test_metrics_show_a_down_engine_as_down_with_its_restarts() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from orchestrator.metrics import TandemMetrics
+
+    page = TandemMetrics("t").render([], {}, STATUS).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(page) for s in f.samples}
+    down = (("app", "t"), ("engine", "decode-0"), ("pool", "decode"))
+    assert samples[("tandem_engine_up", down)] == 0
+    assert samples[("tandem_engine_restarts_total", down)] == 1
+    assert samples[("tandem_engine_state", tuple(sorted((*down, ("state", "restarting")))))] == 1
+    assert samples[("tandem_engine_up", (("app", "t"), ("engine", "decode-1"), ("pool", "decode")))] == 1
+    assert samples[("tandem_pool_healthy_replicas", (("app", "t"), ("pool", "decode")))] == 1
