@@ -102,6 +102,8 @@ class Replica:
     load: EngineLoad | None = None
     restarts: int = 0
     last_error: str | None = None
+    # The incarnation that failed last: a call it still answers while dying is not a restart.
+    failed_incarnation: str | None = None
     # Set when the pool shrinks: the replica drains and is stopped, never restarted.
     retiring: bool = False
     # A router reported a failed call: check now instead of at the next period.
@@ -274,27 +276,24 @@ class PoolManager:
         if self.tier is not None and r.info is not None:
             # Only once the process is gone: its slots are reused after a short quarantine.
             self.tier.release_engine(f"{r.engine_id}@{r.info.incarnation}")
+        r.failed_incarnation = r.info.incarnation if r.info is not None else r.failed_incarnation
         r.info, r.load = None, None
         r.restarts += 1
         self._set_state(r, "restarting")
 
     async def _bring_up(self, r: Replica, first: bool) -> bool:
-        """Wait for the replica's engine to serve (recreating the actor if its start failed),
-        pre-warm its handshakes and let it join routing. False: it cannot start (left down)."""
+        """Wait for a new incarnation of the replica's engine to serve (recreating the actor if
+        its start failed), pre-warm its handshakes and let it join routing. False: it cannot
+        start and is left down."""
         self._set_state(r, "starting" if first else "restarting")
         failed_starts = 0
         while True:
-            try:
-                info: EngineInfo = await asyncio.wait_for(r.handle.info.remote(), self.health.start_timeout_s)
-                break
-            except asyncio.TimeoutError:
-                reason = f"the engine did not come up within {self.health.start_timeout_s:.0f} s"
-                ray.kill(r.handle, no_restart=False)
-            except ActorUnavailableError:
-                await asyncio.sleep(0.2)  # the process is coming back; ask again
-                continue
-            except RayActorError as err:
-                reason = _first_line(err)
+            reason, replace = await self._await_new_incarnation(r)
+            if reason is None:
+                reason = await self._join(r)
+                if reason is None:
+                    return True
+                self._fail(r, reason, dead=False)  # it came up, but not healthy: start it again
             if self._stopping or r.retiring:
                 return False
             failed_starts += 1
@@ -307,9 +306,31 @@ class PoolManager:
             logger.warning("engine %s failed to start (%s); trying again (%d of %d)",
                            r.engine_id, reason, failed_starts, limit)
             await asyncio.sleep(min(30.0, 2.0**failed_starts))
-            await self._replace_actor(r)
-        r.info = info
-        return await self._join(r)
+            if replace:
+                await self._replace_actor(r)
+
+    async def _await_new_incarnation(self, r: Replica) -> tuple[str | None, bool]:
+        """Until the replica's actor answers from a process started after its last failure
+        (a killed process may still answer a call or two while it dies). Returns (why it did
+        not come up, whether its actor is dead for good and must be replaced), or (None,
+        False) once `r.info` is the new incarnation's."""
+        deadline = time.monotonic() + self.health.start_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                info: EngineInfo = await asyncio.wait_for(r.handle.info.remote(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            except ActorUnavailableError:
+                await asyncio.sleep(0.2)  # the process is coming back; ask again
+                continue
+            except RayActorError as err:  # its constructor raised: Ray does not restart it
+                return _first_line(err), True
+            if info.incarnation != r.failed_incarnation:
+                r.info = info
+                return None, False
+            await asyncio.sleep(0.2)
+        ray.kill(r.handle, no_restart=False)
+        return f"the engine did not come up within {self.health.start_timeout_s:.0f} s", False
 
     async def _replace_actor(self, r: Replica) -> None:
         """A new actor for a replica whose actor is dead for good, in the same placement group;
@@ -323,9 +344,9 @@ class PoolManager:
                 await self.tier.ensure_store(node)
         self._create_actor(r)
 
-    async def _join(self, r: Replica) -> bool:
+    async def _join(self, r: Replica) -> str | None:
         """Pre-warm the replica's handshakes with the healthy replicas of the other pool, check
-        its health once, and let it join routing."""
+        its health once, and let it join routing. Returns why it could not, or None."""
         async with self._joining:
             if self.cfg.disaggregated and self.cfg.kv_transfer.prewarm_handshakes:
                 other = "decode" if r.role == "prefill" else "prefill"
@@ -337,20 +358,17 @@ class PoolManager:
                         error = f"handshake pre-warm {pair[0].engine_id} -> {pair[1].engine_id} took over {PREWARM_TIMEOUT_S:.0f} s"
                     if error is not None:
                         if self._starting:
-                            r.last_error = error
-                            self._set_state(r, "unhealthy")
-                            return False
+                            return error
+                        # The peer may be the sick one; the handshake happens on first use.
                         logger.warning(error)
             try:
                 r.load = await asyncio.wait_for(r.handle.health.remote(), self.health.timeout_s)
             except (RayError, asyncio.TimeoutError) as err:
-                r.last_error = f"health check after start failed: {_first_line(err)}"
-                logger.warning("engine %s: %s", r.engine_id, r.last_error)
-                # The watch loop sees the same failure and restarts it.
+                return f"its health check after start failed: {_first_line(err)}"
             logger.info("engine %s (%s) serving: pid %d on %s, incarnation %s",
                         r.engine_id, r.role, r.info.pid, r.info.node_ip, r.info.incarnation)  # type: ignore[union-attr]
             self._set_state(r, "healthy")
-            return True
+            return None
 
     async def _prewarm(self, p: Replica, d: Replica) -> str | None:
         """Send one request through a prefill -> decode pair so the NIXL handshake (seconds)

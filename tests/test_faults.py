@@ -250,6 +250,21 @@ def test_killing_the_decode_engine_mid_stream_loses_no_request(pd: Running, refe
     nothing_leaked(pd)
 
 
+def test_killing_vllms_engine_core_under_a_live_actor_restarts_the_replica(pd: Running, reference: dict) -> None:
+    """The actor process lives on with a dead engine: its health check fails, the manager
+    kills it so Ray restarts it, and it rejoins only as a new incarnation."""
+    victim = replica(status(pd), "prefill-0")
+    (core,) = [c for c in psutil.Process(victim.pid).children() if c.name() == "VLLM::EngineCore"]
+    indices = list(range(12))
+    results = load(pd, indices, concurrency=3, during=lambda: kill(core.pid), delay_s=0.5)
+    check_answers(results, reference, indices)
+    full_strength(pd, {"prefill-0": 2, "decode-0": 1})
+    after = replica(status(pd), "prefill-0")
+    assert after.pid != victim.pid and after.incarnation != victim.incarnation
+    assert "EngineDeadError" in (after.last_error or "")
+    nothing_leaked(pd)
+
+
 def test_killing_the_cpu_tier_store_under_load_loses_no_request(pd: Running, reference: dict) -> None:
     (store,) = pd.deployment.kv_stores.values()
     old = ray.get(store.stats.remote())
