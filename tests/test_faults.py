@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import openai
 import psutil
 import pytest
