@@ -319,3 +319,11 @@ def test_metrics_page_is_prometheus_text(pd: Running, client: openai.OpenAI) -> 
     assert metric(m, "tandem_requests_total", status="200") > 0
     assert metric(m, "tandem_requests_total", status="400") > 0
     assert metric(m, "tandem_time_to_first_token_seconds_count") > 0
+
+
+def test_a_clients_request_id_names_the_response_and_a_bad_one_is_a_400(pd: Running) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    ok = httpx.post(f"{pd.url}/completions", json=body, headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["id"] == "cmpl-trace-42"
+    bad = httpx.post(f"{pd.url}/completions", json=body, headers={"X-Request-Id": "no spaces/or slashes"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
