@@ -71,6 +71,8 @@ class TierStatus(msgspec.Struct, frozen=True):
     blocks: int
     capacity: int
     pinned: int
+    # Slots reserved for saves not yet written (none while no engine is saving).
+    open_grants: int
     # store id -> [blocks held, capacity in slots]
     stores: dict[str, tuple[int, int]]
 

@@ -64,7 +64,8 @@ def render(status: DeploymentStatus) -> str:
         lines.append("\nCPU tier: off or not answering")
     else:
         fill = tier.blocks / tier.capacity if tier.capacity else 0.0
-        lines.append(f"\nCPU tier: {tier.blocks}/{tier.capacity} blocks ({fill:.0%}), {tier.pinned} pinned")
+        lines.append(f"\nCPU tier: {tier.blocks}/{tier.capacity} blocks ({fill:.0%}), {tier.pinned} pinned, "
+                     f"{tier.open_grants} slots being written")
         for store, (held, cap) in sorted(tier.stores.items()):
             lines.append(f"  store {store}: {held}/{cap}")
     return "\n".join(lines)

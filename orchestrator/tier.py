@@ -92,6 +92,7 @@ class CpuTier:
             blocks=stats.num_blocks,
             capacity=sum(cap for _, cap in stores.values()),
             pinned=stats.num_pinned,
+            open_grants=stats.num_open_grants,
             stores=stores,
         )
 

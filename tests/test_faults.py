@@ -132,7 +132,8 @@ def metric(m: dict, name: str, **labels: str) -> float:
 
 
 def nothing_leaked(up: Running, within_s: float = 10) -> None:
-    """Idle engines hold no KV blocks, the tier holds no pins, no request is in flight."""
+    """Idle engines hold no KV blocks, the tier holds no pins and no slot reserved for a save,
+    no request is in flight."""
     def idle() -> bool:
         st = status(up)
         m = scrape(up)
@@ -140,7 +141,7 @@ def nothing_leaked(up: Running, within_s: float = 10) -> None:
             metric(m, "tandem_engine_kv_cache_usage") == 0
             and metric(m, "tandem_requests_in_flight") == 0
             and all(r.outstanding == 0 for p in st.pools for r in p.replicas)
-            and (st.cpu_tier is None or st.cpu_tier.pinned == 0)
+            and (st.cpu_tier is None or (st.cpu_tier.pinned == 0 and st.cpu_tier.open_grants == 0))
         )
 
     # By default far below NIXL's 30-s lease: held blocks are released, not left to expire.

@@ -156,7 +156,7 @@ STATUS = DeploymentStatus(
             ReplicaStatus("decode-1", "healthy", "10.0.0.2", 77, 5, 0, "cd34"),
         ]),
     ],
-    TierStatus(blocks=12, capacity=48, pinned=1, stores={"node-a": (12, 48)}),
+    TierStatus(blocks=12, capacity=48, pinned=1, open_grants=0, stores={"node-a": (12, 48)}),
 )
 
 
@@ -180,7 +180,7 @@ def test_the_status_table_names_each_replica_its_state_and_its_last_error() -> N
     assert "decode pool: 1/2 healthy (min 1, max 2)" in text
     line = next(line for line in text.splitlines() if "decode-0" in line)
     assert "restarting" in line and "its process died" in line
-    assert "CPU tier: 12/48 blocks (25%), 1 pinned" in text
+    assert "CPU tier: 12/48 blocks (25%), 1 pinned, 0 slots being written" in text
 
 
 def test_metrics_show_a_down_engine_as_down_with_its_restarts() -> None:
