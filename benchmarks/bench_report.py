@@ -192,6 +192,10 @@ def _seconds_against(value: float | None, goal: float) -> str:
     return "not seen ✗" if value is None else f"{value:.2f} {'✓' if value < goal else '✗'}"
 
 
+def _fmt_counter(value: float | None) -> str:
+    return "— (not on /metrics)" if value is None else f"{value:.0f}"
+
+
 def fault_table(faults: Sequence[FaultReport]) -> str:
     """One column per fault scenario, each figure beside its goal (✓ met, ✗ missed); then the
     errors of the requests lost."""
@@ -210,7 +214,7 @@ def fault_table(faults: Sequence[FaultReport]) -> str:
             failed = f", {w.num_failed} failed" if w.num_failed else ""
             cells.append(f"{_ms(w.ttft_ms.p50)} / {_ms(w.ttft_ms.p99)} (n={w.num_requests}{failed})")
         rows.append((f"TTFT p50 / p99 (ms), requests {words}", "", cells))
-    rows += [(f"{name} over the run", "", [f"{f.counter(name):.0f}" for f in faults]) for name in FAULT_COUNTERS]
+    rows += [(f"{name} over the run", "", [_fmt_counter(f.counter(name)) for f in faults]) for name in FAULT_COUNTERS]
     rows.append(("victim's state (s from the kill)", "", [", ".join(f"{s.state}{f' (pid {s.pid})' if s.pid else ''} {s.t - f.kill_s:+.2f}" for s in f.timeline) for f in faults]))
     rows.append(("status answers / longest gap between two (s)", "", [f"{f.num_samples} / {f.max_gap_s:.2f}" for f in faults]))
     lines = ["| | Goal | " + " | ".join(f.scenario.name for f in faults) + " |", "| --- | --- |" + " --- |" * len(faults)]

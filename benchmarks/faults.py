@@ -113,9 +113,11 @@ class FaultReport(msgspec.Struct, frozen=True):
     def num_lost(self) -> int:
         return self.run.summary.num_failed
 
-    def counter(self, name: str) -> float:
-        """A FAULT_COUNTERS sample's growth over the run."""
-        return self.run.summary.server_metrics.get(name, 0.0)
+    def counter(self, name: str) -> float | None:
+        """A FAULT_COUNTERS sample's growth over the run; None when /metrics did not show it at
+        the run's end (a labelled counter nothing has counted yet, or replica series left out
+        because the ingress could not read the pool manager's status)."""
+        return self.run.summary.server_metrics.get(name)
 
     def window(self, name: WindowName) -> Window:
         return next(w for w in self.windows if w.name == name)
