@@ -25,6 +25,9 @@ logger = logging.getLogger("tandem.tier")
 
 # How long a store may take to allocate and register its pool.
 STORE_START_TIMEOUT_S = 600.0
+# The pool manager's status answers without the tier's fill rather than wait longer than this
+# for the index (well inside the ingress's own wait for the status).
+STATUS_TIMEOUT_S = 2.0
 
 
 class TierError(RuntimeError):
@@ -84,7 +87,7 @@ class CpuTier:
 
     async def status(self) -> TierStatus | None:
         try:
-            stats = await asyncio.wait_for(self.index.get_stats.remote(), 5.0)
+            stats = await asyncio.wait_for(self.index.get_stats.remote(), STATUS_TIMEOUT_S)
         except Exception:  # the index is restarting or gone: the tier's fill is unknown
             return None
         stores = {sid: (held, cap) for sid, (held, cap) in stats.stores.items()}
