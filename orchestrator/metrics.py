@@ -22,8 +22,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 def _replica_families(app: str, status: DeploymentStatus | None) -> Iterable[Metric]:
     """Every replica the pool manager knows, down ones included: a dead engine shows as
-    tandem_engine_up 0, never as a series that silently vanished."""
+    tandem_engine_up 0, never as a series that silently vanished. When the manager did not
+    answer, tandem_pool_manager_up is 0 and the replicas' state is unknown (no series)."""
     labels = ["app", "pool", "engine"]
+    manager = GaugeMetricFamily("tandem_pool_manager_up", "1 when the pool manager answered this scrape, else 0", labels=["app"])
+    manager.add_metric([app], 0.0 if status is None else 1.0)
     up = GaugeMetricFamily("tandem_engine_up", "1 while the replica is healthy and in routing, else 0", labels=labels)
     state = GaugeMetricFamily("tandem_engine_state", "1 for the replica's current state", labels=labels + ["state"])
     restarts = CounterMetricFamily("tandem_engine_restarts", "Times the replica's engine was restarted after a failure", labels=labels)
@@ -40,7 +43,7 @@ def _replica_families(app: str, status: DeploymentStatus | None) -> Iterable[Met
                     state.add_metric(lv + [name], 1.0 if r.state == name else 0.0)
                 restarts.add_metric(lv, r.restarts)
                 outstanding.add_metric(lv, r.outstanding)
-    return [up, state, restarts, outstanding, healthy]
+    return [manager, up, state, restarts, outstanding, healthy]
 
 
 def _counted(name: str, doc: str, app: str, label: str, counts: dict[str, int]) -> Metric:

@@ -35,7 +35,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -216,19 +216,25 @@ class RequestTrace(msgspec.Struct):
         return out
 
 
+def _zeros(*keys: str) -> dict[str, int]:
+    return dict.fromkeys(keys, 0)
+
+
 class RouterStats(msgspec.Struct):
-    """The router's counters since it started, exported on /metrics."""
+    """The router's counters since it started, exported on /metrics. Every label value a
+    counter can take starts at 0, so its series exist (and rates work) before the first event."""
 
     # Prefill attempts retried on another replica, by why the attempt ended.
-    retries: dict[str, int] = {}
+    retries: dict[str, int] = msgspec.field(default_factory=lambda: _zeros("prefill_failed", "prefill_timeout"))
     # Requests that left the disaggregated path, by reason (see RequestTrace.fallback).
-    fallbacks: dict[str, int] = {}
+    fallbacks: dict[str, int] = msgspec.field(default_factory=lambda: _zeros(
+        "prefill_failed", "prefill_timeout", "no_kv_params", "no_prefill_engine", "no_decode_engine"))
     # Requests moved to another engine mid-stream, and requests that failed with no engine
     # left or past the migration limit.
     migrations: int = 0
-    failed: dict[str, int] = {}
+    failed: dict[str, int] = msgspec.field(default_factory=lambda: _zeros("no_engine", "migration_limit"))
     # Requests whose consumer left, by the phase they were in.
-    aborts: dict[str, int] = {}
+    aborts: dict[str, int] = msgspec.field(default_factory=lambda: _zeros(*get_args(Phase)))
     in_flight: int = 0
 
 

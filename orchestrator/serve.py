@@ -144,7 +144,9 @@ class OpenAIIngress:
     async def _status(self) -> DeploymentStatus | None:
         try:
             return await asyncio.wait_for(self.manager.status.remote(), PROBE_TIMEOUT_S)
-        except (RayError, asyncio.TimeoutError):
+        except (RayError, asyncio.TimeoutError) as err:
+            logger.warning("the pool manager did not answer for its status within %.0f s (%s)", PROBE_TIMEOUT_S,
+                           type(err).__name__)
             return None
 
     # ---- endpoints -------------------------------------------------------------------
