@@ -37,7 +37,6 @@ from benchmarks.phases import (
     KV_BYTES,
     KV_MAX,
     KV_SECONDS,
-    KV_TRANSFERS,
     VLLM_SERVER_METRICS,
     Overhead,
     PathFigures,
@@ -50,7 +49,7 @@ from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, S
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO
 from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
-from orchestrator.cluster import start_embedded_ray
+from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
 from orchestrator.router import RequestTrace, Router
@@ -205,7 +204,7 @@ def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | Non
         yield
         return
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
         need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
         start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1), log_to_driver=False)
