@@ -325,9 +325,11 @@ class Router:
                     phase = "prefill"
                     kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine)
             phase = "handoff"
-            async for chunk in self._stream_output(request_id, prompt_token_ids, sampling, trace, kv_params, decode_engine):
-                phase = "decode"
-                yield chunk
+            output = self._stream_output(request_id, prompt_token_ids, sampling, trace, kv_params, decode_engine)
+            async with contextlib.aclosing(output):  # a consumer that leaves aborts it now, not at GC
+                async for chunk in output:
+                    phase = "decode"
+                    yield chunk
             if phase == "handoff":  # nothing streamed: the request ended before its first chunk
                 phase = "decode"
         except (GeneratorExit, asyncio.CancelledError):
