@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import os
+import tempfile
 import time
 import uuid
 from collections import OrderedDict
@@ -30,10 +31,12 @@ import msgspec
 import psutil
 import ray
 
+from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
 from actors.resume import ResumedText
 from actors.protocol import (
     TRANSFER_BUCKETS,
+    CacheUpdate,
     EngineChunk,
     EngineInfo,
     EngineLoad,
@@ -76,6 +79,9 @@ class EngineMovedError(RuntimeError):
 # a router that gave up on the stream before receiving it can still have the KV released
 # (vLLM's NIXL lease frees it after 30 s anyway).
 HANDOFF_TTL_S = 120.0
+# A router's cache_updates call that saw a change waits this long more, so that the events
+# of one busy stretch reach routers in a few calls rather than one call per engine step.
+CACHE_UPDATE_COALESCE_S = 0.01
 
 
 def _pin_process(cores: list[int]) -> None:
@@ -214,6 +220,7 @@ class EngineActor:
     def __init__(self, spec: EngineSpec) -> None:
         """Build the engine (blocks until vLLM's engine core is up). Ray queues calls to the
         actor meanwhile, so `info()` answers once the engine serves."""
+        from vllm.config.kv_events import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -240,12 +247,18 @@ class EngineActor:
             kv_transfer_config=kv_transfer,
             **spec.engine_args,
         )
+        # vLLM's engine core publishes its KV-cache events on an ipc socket of this engine
+        # incarnation alone; routers follow them through `cache_updates`.
+        events_endpoint = f"ipc://{tempfile.gettempdir()}/tandem-kv-events-{spec.engine_id}-{self.incarnation}"
+        self.kv_events = KVEventFollower(events_endpoint)
+        args.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
         if spec.cores is not None:
             _pin_process(spec.cores)
         observe = partial(_observe_connector_stats, slow_s=spec.slow_transfer_s)
         factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
         self.llm: Any = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
         vcfg = self.llm.vllm_config
+        hash_algo, hash_seed = hash_settings(spec.engine_args)
         side = None
         if kv_transfer is not None:
             side = f"{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_HOST')}:{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')}"
@@ -263,6 +276,8 @@ class EngineActor:
             cores=spec.cores,
             cpu_binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
+            hash_algo=hash_algo,
+            hash_seed=hash_seed,
         )
         logger.info("engine %s (%s) ready: %s", spec.engine_id, spec.role, self._info)
 
@@ -359,6 +374,31 @@ class EngineActor:
         await self.llm.check_health()
         return self.load.report(self.stats.kv_cache_usage)
 
+    async def cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
+        """What changed in this engine's prefix cache since a router's `version` of
+        `incarnation` (every key held, when the router had another incarnation or fell too far
+        behind), with the load now. Waits up to `timeout_s` for a change first (long-poll)."""
+        follower = self.kv_events
+        deltas = None
+        if incarnation == self.incarnation:
+            await follower.wait_changed(version, timeout_s)
+            if follower.version != version:
+                await asyncio.sleep(CACHE_UPDATE_COALESCE_S)
+            current, deltas = follower.changes_since(version)
+        if deltas is None or any(d.cleared for d in deltas):
+            current, held = follower.snapshot()
+            full, stored, removed = True, held, []
+        else:
+            net: dict[int, bool] = {}
+            for d in deltas:
+                net.update(dict.fromkeys(d.stored, True))
+                net.update(dict.fromkeys(d.removed, False))
+            full = False
+            stored = [k for k, held_now in net.items() if held_now]
+            removed = [k for k, held_now in net.items() if not held_now]
+        return CacheUpdate(self.incarnation, current, full, stored, removed,
+                           self.load.num_requests, self.load.num_tokens, self.stats.kv_cache_usage)
+
     async def watch(self) -> None:
         """Never returns: the pool manager keeps one call pending, which Ray fails as soon as
         this process dies (a death notice without polling)."""
@@ -372,3 +412,4 @@ class EngineActor:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        self.kv_events.close()

@@ -281,6 +281,19 @@ class KVIndex:
         self.stats.num_hit_blocks += len(locations)
         return LookupReply(locations)
 
+    def held_prefix(self, hashes: list[bytes]) -> dict[str, int]:
+        """The run of committed blocks from hashes[0] on, counted by the node of the store
+        holding each: a router's question, so nothing is pinned, counted or moved in the LRU
+        order."""
+        by_node: dict[str, int] = {}
+        for h in hashes:
+            e = self._blocks.get(h)
+            if e is None or e.grant_id is not None:
+                break
+            node = self._stores[e.store_id].endpoint.node_id
+            by_node[node] = by_node.get(node, 0) + 1
+        return by_node
+
     def unpin(self, pin_key: str) -> None:
         """Release a lookup's pins (after its load, or when the request ends); idempotent."""
         pin = self._pins.pop(pin_key, None)
@@ -503,6 +516,9 @@ class KVIndexActor:
     def lookup(self, pin_key: str, hashes: list[bytes]) -> LookupReply:
         self._adopt_stores()
         return self.index.lookup(pin_key, hashes)
+
+    def held_prefix(self, hashes: list[bytes]) -> dict[str, int]:
+        return self.index.held_prefix(hashes)
 
     def unpin(self, pin_key: str) -> None:
         self.index.unpin(pin_key)

@@ -88,6 +88,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     cpu_binding: str | None
     # The engine processes' scheduling niceness (Ray's workers default to 15).
     niceness: int = 0
+    # How vLLM hashes this engine's prefix blocks (prefix_caching_hash_algo and the seed of
+    # its hash chain), so routers compute the keys its KV events carry (actors.kv_events).
+    hash_algo: str = "sha256"
+    hash_seed: str = ""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):
@@ -101,6 +105,22 @@ class EngineLoad(msgspec.Struct, frozen=True):
     mean_requests: float
     mean_tokens: float
     # Fraction of the KV cache in use at the engine's last step.
+    kv_cache_usage: float
+
+
+class CacheUpdate(msgspec.Struct, frozen=True):
+    """An engine's prefix cache and load for routers (EngineActor.cache_updates): the block
+    keys stored and removed since the version the router had, or (`full`) every key held."""
+
+    incarnation: str
+    version: int
+    full: bool
+    stored: list[int]
+    removed: list[int]
+    # Requests in flight and tokens still to compute on the engine (from every router), and
+    # the share of its KV cache in use.
+    num_requests: int
+    num_tokens: int
     kv_cache_usage: float
 
 

@@ -147,9 +147,37 @@ class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
     slow_transfer_s: Annotated[float, Meta(gt=0)] = 1.0
 
 
+class ScorerWeights(Struct, forbid_unknown_fields=True, frozen=True):
+    """How much each of kv_aware's scorers counts (orchestrator.scoring); 0 turns one off.
+    Every scorer gives an engine a score between 0 and 1 for one request."""
+
+    # Share of the prompt the engine holds in its own prefix cache (vLLM's KV events).
+    prefix: Annotated[float, Meta(ge=0)] = 1.0
+    # Share of the prompt beyond that in the CPU tier (blocks on other nodes count half).
+    tier: Annotated[float, Meta(ge=0)] = 0.5
+    # 1 / (1 + requests in flight on the engine, from every router).
+    load: Annotated[float, Meta(ge=0)] = 1.0
+    # Share of the engine's KV cache that is free.
+    kv_free: Annotated[float, Meta(ge=0)] = 0.2
+
+
 class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # How the router picks a replica within a pool (healthy replicas only).
-    policy: Literal["round_robin", "least_outstanding"] = "least_outstanding"
+    # How the router picks a replica within a pool (healthy replicas only). kv_aware scores
+    # each replica on what its prefix cache holds (vLLM's KV events), the CPU tier and load.
+    policy: Literal["round_robin", "least_outstanding", "kv_aware"] = "least_outstanding"
+    scorers: ScorerWeights = ScorerWeights()
+    # kv_aware leaves out replicas whose KV cache is at least this full, unless all are.
+    max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
+    # Disaggregated deployments: whether a request is prefilled on the prefill pool
+    # ("always"), on its decode engine ("never"), or per request ("conditional": on the
+    # decode engine when little of the prompt is left to compute there, or when the prefill
+    # pool is busy).
+    disaggregation: Literal["always", "never", "conditional"] = "always"
+    # conditional: prefill on the decode engine when at most this many prompt tokens are not
+    # already in its prefix cache or the CPU tier...
+    local_prefill_max_tokens: Annotated[int, Meta(ge=0)] = 256
+    # ...or when every prefill replica has at least this many requests in flight.
+    prefill_busy_requests: PositiveInt = 4
     # A prefill that has not answered after this long is abandoned and retried elsewhere.
     prefill_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     # Other prefill replicas tried after a failed or timed-out prefill; when none is left
@@ -188,6 +216,9 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # gave 6.6-8.5 ms TPOT against 11.3-11.6 at 20 (docs/performance.md). 0 sends every
     # engine step (as vLLM's server does).
     stream_batch_ms: Annotated[float, Meta(ge=0, le=1000)] = 50.0
+    # Ingress replicas (HTTP parsing, tokenization, routing); each has its own router, and
+    # every router follows the engines' KV events itself, so they route alike.
+    ingress_replicas: PositiveInt = 1
 
 
 class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):

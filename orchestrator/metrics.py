@@ -59,6 +59,13 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     migrations.add_metric([app], stats.migrations)
     in_flight = GaugeMetricFamily("tandem_requests_in_flight", "Requests this ingress replica is serving", labels=["app"])
     in_flight.add_metric([app], stats.in_flight)
+    decisions = CounterMetricFamily(
+        "tandem_disaggregation_decisions",
+        "Disaggregated requests prefilled on the prefill pool (remote) or on their decode engine (local), by reason",
+        labels=["app", "decision", "reason"],
+    )
+    for key, n in stats.decisions.items():
+        decisions.add_metric([app, *key.split(":")], n)
     return [
         _counted("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
         _counted("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
@@ -66,6 +73,7 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
         _counted("tandem_requests_failed", "Requests that could not be served: no engine left, or past routing.max_migrations", app, "reason", stats.failed),
         _counted("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", app, "phase", stats.aborts),
         in_flight,
+        decisions,
     ]
 
 

@@ -113,7 +113,8 @@ class Replica:
 
     def ref(self) -> EngineRef:
         assert self.info is not None
-        return EngineRef(self.engine_id, self.role, self.handle, self.info.incarnation)
+        i = self.info
+        return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed, i.node_id)
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None

@@ -28,6 +28,12 @@ class EngineRef(msgspec.Struct, frozen=True):
     role: Role
     handle: Any
     incarnation: str = ""
+    # How the engine keys its prefix blocks (EngineInfo): what a cache-aware router needs to
+    # compute, from a prompt's tokens, the keys the engine's KV events carry.
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    hash_seed: str = "vllm-none-hash"  # vLLM's own default for sha256 without PYTHONHASHSEED
+    node_id: str = ""
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

@@ -23,6 +23,14 @@ decode request frees them at once (vLLM's decode side tells the prefill side), a
 that had already answered when its abort came is released through a decode engine
 (`release_remote_kv`), not at the end of NIXL's 30-s lease.
 
+Which engine of a pool serves a request is the policy's choice (`routing.policy`): round
+robin, least outstanding, or kv_aware, which scores each replica on what its prefix cache
+holds (vLLM's KV events, followed in orchestrator.cache_view), the CPU tier and load
+(orchestrator.scoring). Whether a disaggregated request is prefilled remotely at all is
+decided per request (`routing.disaggregation`, orchestrator.disaggregation): the decode engine
+is chosen first, and prefills the request itself when little of the prompt is left to compute
+there.
+
 Which engines exist comes from the pool manager's routing table (`set_engines`); a router
 built on a fixed list (benchmarks, handshake pre-warming) works the same without one.
 """
@@ -41,12 +49,15 @@ import msgspec
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from actors.protocol import EngineChunk, EngineRequest, Role, SamplingOptions
+from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import RoutingConfig
+from orchestrator.disaggregation import DECISIONS, Decision, decide
 from orchestrator.protocol import EngineRef
+from orchestrator.scoring import EngineFacts, choose, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
-Policy = Literal["round_robin", "least_outstanding"]
+Policy = Literal["round_robin", "least_outstanding", "kv_aware"]
 # Where a request was when its consumer left: before any engine, prefilling, waiting for its
 # first output token (the decode engine pulling the KV), streaming its output.
 Phase = Literal["queued", "prefill", "handoff", "decode"]
@@ -157,13 +168,20 @@ class EnginePicker:
         self.failed = {eid: f for eid, f in self.failed.items() if now - f[1] < EXCLUSION_TTL_S}
         return [e for e in self.engines if self.failed.get(e.engine_id, (None,))[0] != e.incarnation]
 
-    def pick(self, exclude: Collection[str] = ()) -> EngineRef | None:
-        """A healthy engine not in `exclude`, or None when there is none."""
+    def candidates(self, exclude: Collection[str] = ()) -> list[EngineRef]:
+        """The healthy engines not in `exclude`, starting at the next in round-robin order."""
         candidates = [e for e in self.healthy() if e.engine_id not in exclude]
         if not candidates:
-            return None
+            return []
         start = next(self._rr) % len(candidates)
-        order = candidates[start:] + candidates[:start]
+        return candidates[start:] + candidates[:start]
+
+    def pick(self, exclude: Collection[str] = ()) -> EngineRef | None:
+        """A healthy engine not in `exclude` by round robin or least outstanding (kv_aware
+        falls back to the latter), or None when there is none."""
+        order = self.candidates(exclude)
+        if not order:
+            return None
         if self.policy == "round_robin":
             return order[0]
         # Least outstanding; ties go round robin so equal replicas share the load.
@@ -186,6 +204,9 @@ class RequestTrace(msgspec.Struct):
     decode_engine: str | None = None
     # Prompt tokens the prefilling engine found in its own prefix cache.
     num_cached_tokens: int = 0
+    # Disaggregated requests: prefilled on the prefill pool ("remote") or on the decode
+    # engine ("local"), as routing.disaggregation decided.
+    disaggregation: Decision | None = None
     # Set when the disaggregated path was abandoned: "prefill_failed", "prefill_timeout",
     # "no_kv_params", "no_prefill_engine" (the decode engine prefilled), "no_decode_engine"
     # (a prefill engine served the whole request).
@@ -216,6 +237,11 @@ class RequestTrace(msgspec.Struct):
         return out
 
 
+def needs_cache_view(routing: RoutingConfig) -> bool:
+    """Whether routing looks at the engines' prefix caches (else nothing follows them)."""
+    return routing.policy == "kv_aware" or routing.disaggregation == "conditional"
+
+
 def _zeros(*keys: str) -> dict[str, int]:
     return dict.fromkeys(keys, 0)
 
@@ -235,6 +261,8 @@ class RouterStats(msgspec.Struct):
     failed: dict[str, int] = msgspec.field(default_factory=lambda: _zeros("no_engine", "migration_limit"))
     # Requests whose consumer left, by the phase they were in.
     aborts: dict[str, int] = msgspec.field(default_factory=lambda: _zeros(*get_args(Phase)))
+    # Disaggregation decisions, keyed "decision:reason" (orchestrator.disaggregation).
+    decisions: dict[str, int] = msgspec.field(default_factory=lambda: _zeros(*(f"{d}:{r}" for d, r in DECISIONS)))
     in_flight: int = 0
 
 
@@ -253,15 +281,20 @@ class Router:
         *,
         disaggregated: bool | None = None,
         report_failure: Callable[[EngineFailure], None] | None = None,
+        cache_view: CacheView | None = None,
     ) -> None:
         """`stream_batch_s`: how long engines may hold streamed tokens to send several at once
         (EngineRequest.stream_batch_s); prefill requests produce one token and never wait.
         `disaggregated`: whether the deployment has prefill and decode pools (default: whether
         `engines` has a prefill engine). `report_failure` hears of every engine whose call
-        failed (the ingress tells the pool manager)."""
+        failed (the ingress tells the pool manager). `cache_view`: the engines' prefix caches
+        (one is made, without the CPU tier, when the policy or disaggregation needs it)."""
         self.routing = routing
         self.stream_batch_s = stream_batch_s
         self.report_failure = report_failure
+        if cache_view is None and needs_cache_view(routing):
+            cache_view = CacheView()
+        self.cache = cache_view
         self.disaggregated = any(e.role == "prefill" for e in engines) if disaggregated is None else disaggregated
         roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("both",)
         self.pools: dict[str, EnginePicker] = {role: EnginePicker([], routing.policy) for role in roles}
@@ -272,6 +305,8 @@ class Router:
         """The engines requests may go to now (the pool manager's routing table)."""
         for role, picker in self.pools.items():
             picker.set_engines([e for e in engines if e.role == role])
+        if self.cache is not None:
+            self.cache.set_engines([e for p in self.pools.values() for e in p.engines])
 
     @property
     def engines(self) -> list[EngineRef]:
@@ -288,13 +323,59 @@ class Router:
     def _output_pool(self) -> EnginePicker:
         return self.pools["decode" if self.disaggregated else "both"]
 
-    def _pick_output_engine(self, exclude: set[str]) -> EngineRef | None:
-        """Another engine to stream a request's output: the output pool first, then (when
-        the deployment is disaggregated and no decode replica is left) a prefill one."""
-        engine = self._output_pool().pick(exclude)
-        if engine is None and self.disaggregated:
-            engine = self.pools["prefill"].pick(exclude)
+    async def _pick(self, picker: EnginePicker, prompt: PromptKeys | None, exclude: Collection[str] = ()) -> EngineRef | None:
+        """The pool's engine for a request by the routing policy, or None when none is healthy."""
+        if self.routing.policy != "kv_aware" or prompt is None or self.cache is None:
+            engine = picker.pick(exclude)
+        else:
+            candidates = picker.candidates(exclude)
+            if not candidates:
+                return None
+            tier = await self.cache.tier_prefix(candidates[0], prompt) if self.routing.scorers.tier > 0 else {}
+            facts = [self._facts(e, picker, prompt, tier) for e in candidates]
+            best = choose(facts, len(prompt.token_ids), self.routing)
+            engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
         return engine
+
+    def _expect(self, engine: EngineRef | None, prompt: PromptKeys | None) -> None:
+        """The prompt's blocks will be in `engine`'s cache: count them there until its events
+        say so (once the choice is final: the decision must see the cache as it is)."""
+        if engine is not None and prompt is not None and self.cache is not None:
+            self.cache.expect(engine, prompt)
+
+    def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
+        assert self.cache is not None
+        seen = self.cache.load(engine.engine_id)
+        cached = self.cache.cached_tokens(engine, prompt)
+        return EngineFacts(
+            engine.engine_id,
+            max(picker.outstanding.get(engine.engine_id, 0), seen.num_requests if seen else 0),
+            cached,
+            tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size),
+            seen.kv_cache_usage if seen else 0.0,
+        )
+
+    async def _pick_output_engine(self, prompt: PromptKeys | None, exclude: set[str]) -> EngineRef | None:
+        """An engine to stream a request's output: the output pool first, then (when the
+        deployment is disaggregated and no decode replica is left) a prefill one."""
+        engine = await self._pick(self._output_pool(), prompt, exclude)
+        if engine is None and self.disaggregated:
+            engine = await self._pick(self.pools["prefill"], prompt, exclude)
+        return engine
+
+    async def _decide(self, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace) -> Decision:
+        """Prefill this request remotely or on `decode` (routing.disaggregation), counted."""
+        cached = 0.0
+        if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
+            cached = self.cache.cached_tokens(decode, prompt)
+            tier = await self.cache.tier_prefix(decode, prompt)
+            cached = max(cached, sum(tier.values()) * decode.block_size)
+        picker = self.pools["prefill"]
+        busy = [picker.outstanding.get(e.engine_id, 0) for e in picker.healthy()]
+        decision, reason = decide(self.routing, len(prompt.token_ids) if prompt else 0, cached, busy)
+        _count(self.stats.decisions, f"{decision}:{reason}")
+        trace.disaggregation = decision
+        return decision
 
     async def generate(
         self,
@@ -317,15 +398,22 @@ class Router:
         self.stats.in_flight += 1
         phase: Phase = "queued"
         kv_params: dict[str, Any] | None = None
+        prompt = None
+        if self.cache is not None:
+            self.cache.sync()
+            prompt = self.cache.prompt(prompt_token_ids)
         try:
+            first = decode_engine
             if self.disaggregated:
-                if decode_engine is None and not self._output_pool().healthy():
+                if first is None:
+                    first = await self._pick(self._output_pool(), prompt)
+                if first is None:
                     self._fall_back(trace, "no_decode_engine")
-                else:
+                elif prefill_engine is not None or await self._decide(prompt, first, trace) == "remote":
                     phase = "prefill"
-                    kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine)
+                    kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine, prompt)
             phase = "handoff"
-            output = self._stream_output(request_id, prompt_token_ids, sampling, trace, kv_params, decode_engine)
+            output = self._stream_output(request_id, prompt_token_ids, sampling, trace, kv_params, decode_engine, first, prompt)
             async with contextlib.aclosing(output):  # a consumer that leaves aborts it now, not at GC
                 async for chunk in output:
                     phase = "decode"
@@ -351,6 +439,7 @@ class Router:
         sampling: SamplingOptions,
         trace: RequestTrace,
         pinned: EngineRef | None,
+        prompt: PromptKeys | None = None,
     ) -> dict[str, Any] | None:
         """Run step 1 of the protocol, retrying on other replicas; None means the decode
         engine must prefill itself (trace.fallback says why)."""
@@ -360,9 +449,10 @@ class Router:
         reason = "no_prefill_engine"
         try:
             for attempt in range(attempts):
-                engine = pinned or picker.pick(tried)
+                engine = pinned or await self._pick(picker, prompt, tried)
                 if engine is None:
                     break
+                self._expect(engine, prompt)
                 tried.add(engine.engine_id)
                 trace.prefill_engine = engine.engine_id
                 picker.acquire(engine)
@@ -446,12 +536,16 @@ class Router:
         trace: RequestTrace,
         kv_params: dict[str, Any] | None,
         pinned: EngineRef | None,
+        first: EngineRef | None = None,
+        prompt: PromptKeys | None = None,
     ) -> AsyncIterator[EngineChunk]:
-        """Stream the output from a decode (or colocated) engine, moving to another engine
-        when it fails, from the prompt plus the tokens already streamed."""
-        engine = pinned or self._pick_output_engine(set())
+        """Stream the output from a decode (or colocated) engine (`first` when already
+        chosen), moving to another engine when it fails, from the prompt plus the tokens
+        already streamed."""
+        engine = pinned or first or await self._pick_output_engine(prompt, set())
         if engine is None:
             raise NoEngineError("no healthy engine is left to serve the request; retry once the pools have recovered")
+        self._expect(engine, prompt)
         generated: list[int] = []
         failed: set[str] = set()
         while True:
@@ -479,7 +573,9 @@ class Router:
                             raise EngineFailure(engine, "the engine ended the request with an error", engine_down=False)
                         if trace.t_first_token is None and chunk.token_ids:
                             trace.t_first_token = time.perf_counter()
-                        if not generated and not trace.migrations and (not self.disaggregated or trace.fallback):
+                        if not generated and not trace.migrations and (
+                            not self.disaggregated or trace.fallback or trace.disaggregation == "local"
+                        ):
                             trace.num_cached_tokens = chunk.num_cached_tokens
                         generated.extend(chunk.token_ids)
                         yield msgspec.structs.replace(chunk, num_prompt_tokens=len(prompt_token_ids))
@@ -494,7 +590,7 @@ class Router:
                         f"request {request_id} failed on {trace.migrations + 1} engines (last: {failure}); "
                         f"routing.max_migrations is {self.routing.max_migrations}"
                     ) from failure
-                nxt = self._pick_output_engine(failed)
+                nxt = await self._pick_output_engine(prompt, failed)
                 if nxt is None:
                     raise NoEngineError(
                         f"engine {engine.engine_id} failed while serving request {request_id} and no healthy "
@@ -505,6 +601,7 @@ class Router:
                 trace.migrations += 1
                 self.stats.migrations += 1
                 engine, kv_params = nxt, None
+                self._expect(engine, prompt)
             finally:
                 picker.release(serving)
 

@@ -26,7 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError
 
+from actors.kv_index import index_actor_name
 from actors.protocol import EngineChunk
+from orchestrator.cache_view import CacheView
 from orchestrator.config import TandemConfig, parse_config
 from orchestrator.metrics import TandemMetrics
 from orchestrator.models import resolve_local
@@ -42,7 +44,15 @@ from orchestrator.openai_api import (
     usage,
 )
 from orchestrator.protocol import DeploymentStatus
-from orchestrator.router import EngineFailure, MigrationLimitError, NoEngineError, RequestTrace, Router, is_client_error
+from orchestrator.router import (
+    EngineFailure,
+    MigrationLimitError,
+    NoEngineError,
+    RequestTrace,
+    Router,
+    is_client_error,
+    needs_cache_view,
+)
 
 logger = logging.getLogger("tandem.serve")
 
@@ -109,12 +119,19 @@ class OpenAIIngress:
         self.manager = ray.get_actor(args.manager, namespace=args.namespace)
         table = ray.get(self.manager.routing_table.remote(-1, 0))
         self.table_version = table.version
+        cache_view = None
+        if needs_cache_view(self.cfg.routing):
+            tier_index = None
+            if self.cfg.cpu_tier.enabled:
+                tier_index = ray.get_actor(index_actor_name(self.cfg.serve.app_name), namespace=args.namespace)
+            cache_view = CacheView(tier_index)
         self.router = Router(
             table.engines,
             self.cfg.routing,
             self.cfg.serve.stream_batch_ms / 1000,
             disaggregated=self.cfg.disaggregated,
             report_failure=self._report_failure,
+            cache_view=cache_view,
         )
         self.metrics = TandemMetrics(self.cfg.serve.app_name)
         self._watcher: asyncio.Task[None] | None = None
@@ -347,7 +364,7 @@ def build_ingress(cfg: TandemConfig, max_model_len: int) -> serve.Application:
     from orchestrator.config import to_dict
     from orchestrator.pools import manager_name
 
-    return OpenAIIngress.bind(IngressArgs(
+    return OpenAIIngress.options(num_replicas=cfg.serve.ingress_replicas).bind(IngressArgs(
         config=to_dict(cfg),
         manager=manager_name(cfg.serve.app_name),
         namespace=ray.get_runtime_context().namespace,

@@ -1,0 +1,190 @@
+"""Which prefix blocks one engine's KV cache holds, from vLLM's own KV-cache events.
+
+vLLM's scheduler publishes every block it stores in or evicts from its prefix cache
+(BlockStored / BlockRemoved / AllBlocksCleared, `kv_events_config`) on a ZMQ PUB socket. The
+engine actor binds that socket to an ipc path only its own engine core uses, follows it on a
+thread, and keeps the set of block keys held plus a short log of changes; routers follow the
+log by long-poll (EngineActor.cache_updates), so every ingress replica derives the same view
+from the same events and a restarted engine (a new incarnation) starts from an empty one.
+
+A block key is vLLM's block hash reduced to 64 bits, exactly as vLLM publishes it by default
+(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); `block_keys` computes the same keys from a prompt's
+tokens with vLLM's own hash function, so a router can ask "how much of this prompt does that
+engine hold" without a call to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+logger = logging.getLogger("tandem.kv_events")
+
+# Changes kept for routers that fall behind; one further behind gets the whole set instead.
+MAX_LOG = 4096
+_MASK64 = (1 << 64) - 1
+
+
+def as_key(block_hash: bytes | int) -> int:
+    """vLLM's published form of a block hash (maybe_convert_block_hash): its low 64 bits."""
+    if isinstance(block_hash, int):
+        return block_hash & _MASK64
+    return int.from_bytes(block_hash, "big") & _MASK64
+
+
+class PrefixHasher:
+    """Computes the block hashes vLLM's scheduler gives a plain token prompt (no LoRA,
+    multimodal input or cache salt), with the engine's hash algorithm and seed."""
+
+    def __init__(self, algo: str, seed: str, block_size: int) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        self.algo, self.seed, self.block_size = algo, seed, block_size
+        self._fn = get_hash_fn_by_name(algo)
+        self._none_hash: bytes = self._fn(seed)
+
+    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """One hash per full block of `token_ids`, each chained on the one before."""
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        out: list[bytes] = []
+        parent = self._none_hash
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block_tokens(self._fn, parent, token_ids[start : start + self.block_size], None)
+            out.append(parent)
+        return out
+
+
+def hash_settings(engine_args: dict[str, Any]) -> tuple[str, str]:
+    """The (algorithm, seed) this process's vLLM engine hashes prefix blocks with."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    algo = engine_args.get("prefix_caching_hash_algo", "sha256")
+    return algo, resolve_none_hash_seed(get_hash_fn_by_name(algo))
+
+
+class CacheDelta(msgspec.Struct, frozen=True):
+    """Keys stored and removed by one batch of events (`cleared`: everything went first)."""
+
+    version: int
+    stored: list[int]
+    removed: list[int]
+    cleared: bool = False
+
+
+class KVEventFollower:
+    """Subscribes to an engine core's KV events and keeps what its GPU cache holds.
+
+    A thread receives and applies the events; async callers wait for changes with
+    `wait_changed`. A gap in vLLM's sequence numbers (events dropped at the ZMQ high-water
+    mark) is logged and counted in `missed`; the view then stays approximate until the
+    evicted or stored blocks are seen again.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.endpoint = endpoint
+        self.held: set[int] = set()
+        self.version = 0
+        self.missed = 0
+        self.log: deque[CacheDelta] = deque(maxlen=MAX_LOG)
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last_seq = -1
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while self._running:
+            if not poller.poll(200):
+                continue
+            try:
+                _topic, seq_bytes, payload = self._sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if last_seq >= 0 and seq > last_seq + 1:
+                    self.missed += seq - last_seq - 1
+                    logger.warning("lost %d KV-event batches from %s; the prefix view is approximate until "
+                                   "those blocks are seen again", seq - last_seq - 1, self.endpoint)
+                last_seq = seq
+                self.apply(self._decoder.decode(payload).events)
+            except Exception:  # one bad message must not end the follower
+                logger.exception("could not apply a KV-event batch from %s", self.endpoint)
+
+    def apply(self, events: Sequence[Any]) -> None:
+        """Fold one batch of vLLM KV events into the held set (GPU blocks of group 0 only)."""
+        stored: list[int] = []
+        removed: list[int] = []
+        cleared = False
+        for ev in events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                cleared, stored, removed = True, [], []
+            elif getattr(ev, "medium", None) not in (None, "GPU") or (getattr(ev, "group_idx", None) or 0) != 0:
+                continue
+            elif kind == "BlockStored":
+                stored.extend(as_key(h) for h in ev.block_hashes)
+            elif kind == "BlockRemoved":
+                removed.extend(as_key(h) for h in ev.block_hashes)
+        if not (stored or removed or cleared):
+            return
+        with self._lock:
+            if cleared:
+                self.held.clear()
+            for k in stored:
+                self.held.add(k)
+            for k in removed:
+                self.held.discard(k)
+            self.version += 1
+            self.log.append(CacheDelta(self.version, stored, removed, cleared))
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def changes_since(self, version: int) -> tuple[int, list[CacheDelta] | None]:
+        """(current version, the deltas after `version`), or None for the deltas when the log
+        no longer reaches back that far (the caller needs `snapshot`)."""
+        with self._lock:
+            if version == self.version:
+                return version, []
+            if version > self.version or not self.log or self.log[0].version > version + 1:
+                return self.version, None
+            return self.version, [d for d in self.log if d.version > version]
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        with self._lock:
+            return self.version, list(self.held)
+
+    async def wait_changed(self, version: int, timeout_s: float) -> None:
+        """Return when the version differs from `version`, or after `timeout_s`."""
+        event = asyncio.Event()
+        with self._lock:
+            if self.version != version:
+                return
+            self._waiters.append((asyncio.get_running_loop(), event))
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            with self._lock:
+                self._waiters = [w for w in self._waiters if w[1] is not event]
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=1.0)
+        self._sock.close()

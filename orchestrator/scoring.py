@@ -1,0 +1,77 @@
+"""kv_aware: which replica of a pool serves a request, from small filters and weighted scorers.
+
+Modelled on llm-d's scheduler: filters drop replicas that must not get the request, scorers
+give each remaining replica a score between 0 and 1, and the replica with the highest
+weighted sum wins (ties go to the one with fewer requests in flight, then round robin). The
+weights are `routing.scorers` in the config; a new scorer is one function in SCORERS and one
+field there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from orchestrator.config import RoutingConfig, ScorerWeights
+
+
+class EngineFacts(msgspec.Struct, frozen=True):
+    """What the router knows of one replica for one request."""
+
+    engine_id: str
+    # Requests in flight on the replica (the larger of this router's count and the engine's).
+    outstanding: int
+    # Prompt tokens in the replica's own prefix cache, from the first.
+    cached_tokens: int
+    # Prompt tokens beyond those in the CPU tier, blocks on other nodes counted half.
+    tier_tokens: float
+    kv_cache_usage: float
+
+
+Scorer = Callable[[EngineFacts, int], float]
+Filter = Callable[[EngineFacts, RoutingConfig], bool]
+
+
+def _share(tokens: float, prompt_tokens: int) -> float:
+    return min(1.0, tokens / prompt_tokens) if prompt_tokens > 0 else 0.0
+
+
+SCORERS: dict[str, Scorer] = {
+    "prefix": lambda f, n: _share(f.cached_tokens, n),
+    "tier": lambda f, n: _share(f.tier_tokens, n),
+    "load": lambda f, n: 1.0 / (1.0 + f.outstanding),
+    "kv_free": lambda f, n: max(0.0, 1.0 - f.kv_cache_usage),
+}
+assert set(SCORERS) == set(ScorerWeights.__struct_fields__), "every scorer has a weight"
+
+FILTERS: dict[str, Filter] = {
+    # A replica whose KV cache is nearly full would preempt or queue the request.
+    "kv_headroom": lambda f, cfg: f.kv_cache_usage < cfg.max_kv_usage,
+}
+
+
+def score(facts: EngineFacts, prompt_tokens: int, weights: ScorerWeights) -> float:
+    return sum(getattr(weights, name) * fn(facts, prompt_tokens) for name, fn in SCORERS.items())
+
+
+def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
+    """The best candidate (`candidates` in round-robin order, so exact ties rotate), or None."""
+    kept = list(candidates)
+    for keep in FILTERS.values():
+        kept = [f for f in kept if keep(f, cfg)] or kept  # a filter never leaves no one
+    if not kept:
+        return None
+    return max(kept, key=lambda f: (round(score(f, prompt_tokens, cfg.scorers), 9), -f.outstanding))
+
+
+def tier_tokens(by_node: dict[str, int], node_id: str, cached_blocks: int, block_size: int) -> float:
+    """Prompt tokens the CPU tier adds to an engine's own `cached_blocks`: the tier's run of
+    the prompt's blocks (`by_node`: counted by the node of the store holding them) beyond the
+    engine's, a block on another node counting half (a cross-node read costs more)."""
+    total = sum(by_node.values())
+    beyond = total - cached_blocks
+    if beyond <= 0:
+        return 0.0
+    local = by_node.get(node_id, 0)
+    return beyond * (local + 0.5 * (total - local)) / total * block_size

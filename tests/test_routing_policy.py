@@ -1,0 +1,240 @@
+"""Cache-aware routing, pure logic and the event channel without engines: the prefix keys
+match vLLM's own block hashes, the KV-event follower reads vLLM's real ZMQ publisher, the
+scorers and filter, the disaggregation decider, and the router's choices against fake
+engines. Real engines: tests/test_cache_routing.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.kv_events import KVEventFollower, PrefixHasher, as_key
+from actors.protocol import CacheUpdate, EngineChunk, EngineRequest, SamplingOptions
+from orchestrator.cache_view import CacheView, EngineCache
+from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
+from orchestrator.disaggregation import decide
+from orchestrator.protocol import EngineRef
+from orchestrator.router import RequestTrace, Router
+from orchestrator.scoring import EngineFacts, choose, score, tier_tokens
+
+BLOCK = 16
+SEED = "vllm-none-hash"
+
+
+def vllm_block_hashes(token_ids: list[int]) -> list[bytes]:
+    """What vLLM's scheduler computes for a plain prompt (its own Request and hasher)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    req = Request("r", token_ids, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(BLOCK, fn))
+    return [bytes(h) for h in req.block_hashes]
+
+
+def test_prefix_keys_are_vllms_block_hashes() -> None:
+    prompt = list(range(500, 500 + 5 * BLOCK + 7))  # 5 full blocks and a partial one
+    mine = PrefixHasher("sha256", SEED, BLOCK).hashes(prompt)
+    assert mine == vllm_block_hashes(prompt)
+    assert len(mine) == 5
+    # A different first block changes every hash after it (the chain).
+    other = PrefixHasher("sha256", SEED, BLOCK).hashes([1] + prompt[1:])
+    assert not set(mine) & set(other)
+
+
+def test_follower_reads_vllms_publisher(tmp_path: Path) -> None:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    endpoint = f"ipc://{tmp_path}/events"
+    follower = KVEventFollower(endpoint)
+    publisher = ZmqEventPublisher(0, endpoint=endpoint)
+    hashes = PrefixHasher("sha256", SEED, BLOCK).hashes(list(range(4 * BLOCK)))
+    published = [maybe_convert_block_hash(h) for h in hashes]  # as vLLM's block pool sends them
+
+    def stored(hs: list[Any]) -> BlockStored:
+        return BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=[], block_size=BLOCK,
+                           lora_id=None, medium="GPU", lora_name=None)
+
+    def wait_version(v: int) -> None:
+        deadline = time.monotonic() + 10
+        while follower.version < v and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert follower.version >= v
+
+    try:
+        # PUB/SUB drops what is sent before the subscription lands: resend the first batch.
+        deadline = time.monotonic() + 10
+        while follower.version == 0 and time.monotonic() < deadline:
+            publisher.publish(KVEventBatch(ts=time.time(), events=[stored(published[:3])]))
+            time.sleep(0.1)
+        assert follower.held == {as_key(h) for h in hashes[:3]}
+        v = follower.version
+        # CPU-medium blocks (vLLM's own offloading) are not the engine's prefix cache.
+        publisher.publish(KVEventBatch(ts=time.time(), events=[
+            BlockStored(block_hashes=[published[3]], parent_block_hash=None, token_ids=[], block_size=BLOCK,
+                        lora_id=None, medium="CPU", lora_name=None),
+            BlockRemoved(block_hashes=[published[0]], medium="GPU"),
+        ]))
+        wait_version(v + 1)
+        assert follower.held == {as_key(h) for h in hashes[1:3]}
+        current, deltas = follower.changes_since(v)
+        assert current == v + 1 and deltas is not None and deltas[0].removed == [as_key(hashes[0])]
+        publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
+        wait_version(v + 2)
+        assert follower.held == set()
+        assert follower.changes_since(10_000)[1] is None  # a version it never had: snapshot
+    finally:
+        publisher.shutdown()
+        follower.close()
+
+
+def test_engine_cache_longest_run_and_expectations() -> None:
+    cache = EngineCache(EngineRef("e", "decode", None))
+    cache.apply(CacheUpdate("i1", 1, True, [1, 2, 4], [], 0, 0, 0.1))
+    assert cache.prefix_blocks([1, 2, 3, 4], now=0.0) == 2  # the run stops at the first miss
+    cache.expect([3], now=0.0)
+    assert cache.prefix_blocks([1, 2, 3, 4], now=1.0) == 4
+    assert cache.prefix_blocks([1, 2, 3, 4], now=100.0) == 2  # expectation expired
+    cache.apply(CacheUpdate("i1", 2, False, [], [2], 3, 40, 0.5))  # evicted
+    assert cache.prefix_blocks([1, 2], now=0.0) == 1
+    assert (cache.num_requests, cache.kv_cache_usage) == (3, 0.5)
+    cache.apply(CacheUpdate("i2", 1, False, [9], [], 0, 0, 0.0))  # a restarted engine
+    assert cache.held == {9}
+
+
+def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0) -> EngineFacts:
+    return EngineFacts(eid, outstanding, cached, tier, usage)
+
+
+def test_scorers_trade_prefix_for_load() -> None:
+    cfg = RoutingConfig(policy="kv_aware")
+    # The engine holding 90% of the prompt wins while it is not much busier...
+    assert choose([facts("idle"), facts("holder", outstanding=2, cached=900)], 1000, cfg).engine_id == "holder"
+    # ...but a shared prefix that is half the prompt does not pile every request on one engine.
+    assert choose([facts("holder", outstanding=2, cached=500), facts("idle")], 1000, cfg).engine_id == "idle"
+    # Equal scores go to the engine with fewer requests in flight.
+    assert choose([facts("a", 1), facts("b", 1)], 10, cfg).engine_id == "a"
+    # A nearly full KV cache is filtered out unless every engine is that full.
+    full = facts("full", cached=1000, usage=0.99)
+    assert choose([full, facts("other", outstanding=3)], 1000, cfg).engine_id == "other"
+    assert choose([full], 1000, cfg).engine_id == "full"
+    # Weights are config: with load off, the prefix always wins.
+    no_load = RoutingConfig(policy="kv_aware", scorers=ScorerWeights(load=0.0))
+    assert choose([facts("holder", outstanding=9, cached=500), facts("idle")], 1000, no_load).engine_id == "holder"
+    assert score(facts("x", cached=1000, usage=1.0), 1000, ScorerWeights()) == pytest.approx(1.0 + 1.0)
+
+
+def test_tier_tokens_count_beyond_the_engine_and_halve_other_nodes() -> None:
+    assert tier_tokens({}, "n1", 0, BLOCK) == 0.0
+    assert tier_tokens({"n1": 4}, "n1", 1, BLOCK) == 3 * BLOCK
+    assert tier_tokens({"n1": 4}, "n1", 5, BLOCK) == 0.0
+    assert tier_tokens({"n2": 4}, "n1", 0, BLOCK) == 2 * BLOCK
+    assert tier_tokens({"n1": 2, "n2": 2}, "n1", 0, BLOCK) == 3 * BLOCK
+
+
+def test_decider_modes_and_thresholds() -> None:
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100, prefill_busy_requests=2)
+    assert decide(RoutingConfig(), 5000, 0, [0]) == ("remote", "always")
+    assert decide(RoutingConfig(disaggregation="never"), 5000, 0, [0]) == ("local", "never")
+    assert decide(cond, 80, 0, [0]) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, [0]) == ("local", "short_uncached")  # decode holds the prefix
+    assert decide(cond, 5000, 0, [2, 3]) == ("local", "prefill_busy")
+    assert decide(cond, 5000, 0, [2, 0]) == ("remote", "long_uncached")
+
+
+def test_routing_config_names_the_bad_field() -> None:
+    with pytest.raises(ConfigError, match="disaggregation"):
+        parse_config({"routing": {"disaggregation": "sometimes"}})
+    with pytest.raises(ConfigError, match="scorers"):
+        parse_config({"routing": {"scorers": {"prefixx": 1.0}}})
+
+
+# ---- the router against fake engines that report a prefix cache --------------------------
+
+
+def _done(value: Any) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class CachingEngine:
+    """An engine handle that holds the prefix blocks of the prompts it was told to, reports
+    them through cache_updates, and answers every request with one token."""
+
+    def __init__(self, name: str, held_prompts: list[list[int]] = ()) -> None:
+        self.name = name
+        self.hasher = PrefixHasher("sha256", SEED, BLOCK)
+        self.held = {as_key(h) for p in held_prompts for h in self.hasher.hashes(p)}
+        self.requests: list[EngineRequest] = []
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda rid: _done(None))
+        self.cache_updates = _Method(self._cache_updates)
+
+    def ref(self, role: str) -> EngineRef:
+        return EngineRef(self.name, role, self, "i0", BLOCK, "sha256", SEED)  # type: ignore[arg-type]
+
+    async def _cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
+        if version == 1:
+            await asyncio.sleep(timeout_s)
+        return CacheUpdate("i0", 1, True, sorted(self.held), [], 0, 0, 0.0)
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+        self.requests.append(req)
+        params = {"remote_engine_id": self.name} if req.kv_transfer_params == {"do_remote_decode": True} else None
+        keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
+        cached = next((i for i, k in enumerate(keys) if k not in self.held), len(keys)) * BLOCK
+        yield _done(EngineChunk("x", [7], finished=True, finish_reason="length",
+                                num_cached_tokens=cached, kv_transfer_params=params))
+
+
+def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[EngineChunk]:
+    async def go() -> list[EngineChunk]:
+        router.cache.sync()  # type: ignore[union-attr]
+        await asyncio.sleep(0.05)  # the view's first long-poll answers
+        out = [c async for c in router.generate("r", prompt, SamplingOptions(max_tokens=1), trace)]
+        await router.cache.close()  # type: ignore[union-attr]
+        return out
+
+    return asyncio.run(asyncio.wait_for(go(), timeout=10))
+
+
+SYSTEM = list(range(1000, 1000 + 8 * BLOCK))
+
+
+def test_kv_aware_sends_a_prefix_to_the_engine_holding_it() -> None:
+    cold, warm = CachingEngine("cold"), CachingEngine("warm", [SYSTEM])
+    router = Router([cold.ref("both"), warm.ref("both")], RoutingConfig(policy="kv_aware"))
+    for i in range(4):
+        serve_one(router, SYSTEM + [i] * 20, RequestTrace())
+    assert len(warm.requests) == 4 and not cold.requests
+
+
+def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
+    prefill, decode = CachingEngine("p"), CachingEngine("d", [SYSTEM])
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=64)
+    router = Router([prefill.ref("prefill"), decode.ref("decode")], cfg)
+    local = RequestTrace()
+    out = serve_one(router, SYSTEM + list(range(40)), local)  # 40 uncached tokens: local
+    assert local.disaggregation == "local" and not prefill.requests
+    assert decode.requests[-1].kv_transfer_params is None
+    assert out[-1].num_cached_tokens == local.num_cached_tokens == len(SYSTEM)  # usage stays right
+    remote = RequestTrace()
+    serve_one(router, list(range(3000, 3000 + 10 * BLOCK)), remote)  # nothing cached: remote
+    assert remote.disaggregation == "remote" and len(prefill.requests) == 1
+    assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p"}
+    assert router.stats.decisions["local:short_uncached"] == 1
+    assert router.stats.decisions["remote:long_uncached"] == 1
