@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -48,7 +48,7 @@ from benchmarks.phases import (
 from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, scenario_config
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO
-from benchmarks.workloads import Fixed, RandomWorkload, load_tokenizer
+from benchmarks.workloads import ConversationWorkload, Fixed, RandomWorkload, Uniform, load_tokenizer
 from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
@@ -72,8 +72,12 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
     num_requests: int = 40  # measured requests per rate
     warmup: int = 2  # requests sent before each measured run
-    input_len: int = 256  # prompt tokens
+    input_len: int = 256  # prompt tokens (conversation: the shared system prompt's)
     output_len: int = 32  # output tokens (ignore_eos)
+    # random: independent prompts; conversation: multi-turn chats resending their history
+    # after one shared system prompt (the routing benchmark's workload).
+    workload: Literal["random", "conversation"] = "random"
+    turns: int = 6  # conversation: turns per chat
     duration_s: float = 60.0  # no measured request is sent later than this into a run
     request_timeout_s: float = 120.0
     seed: int = 0
@@ -148,6 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
     p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens (default %(default)s)")
     p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens (default %(default)s)")
+    p.add_argument("--workload", choices=["random", "conversation"], default=d.workload,
+                   help="random prompts, or multi-turn chats after a shared system prompt of --input-len tokens (default %(default)s)")
+    p.add_argument("--turns", type=int, default=d.turns, help="conversation: turns per chat (default %(default)s)")
     p.add_argument("--duration", type=float, default=d.duration_s, dest="duration_s", help="stop sending this many seconds into a run (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, dest="request_timeout_s", help="seconds (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -221,7 +228,7 @@ class _Setup(msgspec.Struct, frozen=True):
 
     opts: BenchOptions
     base: TandemConfig
-    workload: RandomWorkload
+    workload: RandomWorkload | ConversationWorkload
     slo: SLO
     tokenizer: Any
     port: int  # where every scenario serves (Ray Serve keeps its first port)
@@ -328,6 +335,13 @@ def run_fault_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> Faul
                          request_timeout_s=o.request_timeout_s, workload=setup.workload)
 
 
+def workload_of(opts: BenchOptions) -> RandomWorkload | ConversationWorkload:
+    if opts.workload == "conversation":
+        # Each turn adds a user message of 32-96 tokens and a reply of --output-len.
+        return ConversationWorkload(opts.turns, opts.input_len, Uniform(32, 96), Fixed(opts.output_len))
+    return RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len))
+
+
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     """Every scenario in turn (at most one deployed at a time), then the NIXL microbenchmark."""
     t0 = time.perf_counter()
@@ -337,7 +351,7 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     tokenizer = load_tokenizer(opts.tokenizer or resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
     port = base.serve.port if opts.address else free_ports(1)
-    setup = _Setup(opts, base, RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len)), SLO(opts.slo_ttft_ms, opts.slo_tpot_ms), tokenizer, port)
+    setup = _Setup(opts, base, workload_of(opts), SLO(opts.slo_ttft_ms, opts.slo_tpot_ms), tokenizer, port)
     command = " ".join(["tandem", *sys.argv[1:]]) if Path(sys.argv[0]).name == "tandem" else " ".join(sys.argv)
     if opts.target_url:
         model = opts.target_model or base.model.name

@@ -16,7 +16,20 @@ import msgspec
 from benchmarks.bench import BenchReport, ScenarioReport
 from benchmarks.faults import FAULT_COUNTERS, GOAL_DETECT_S, GOAL_LOST, GOAL_RECOVER_S, FaultReport, WindowName
 from benchmarks.nixl_micro import markdown as micro_markdown
-from benchmarks.phases import HEADLINE_METRICS, KV_BYTES, KV_SECONDS, KV_SLOW, KV_TRANSFERS, PER_REQUEST_METRICS, engine_first_token_ms, engine_tpot_ms
+from benchmarks.phases import (
+    CACHE_HIT_TOKENS,
+    COMPUTED_TOKENS,
+    HEADLINE_METRICS,
+    KV_BYTES,
+    KV_SECONDS,
+    KV_SLOW,
+    KV_TRANSFERS,
+    LOCAL_PREFILLS,
+    PER_REQUEST_METRICS,
+    TIER_TOKENS,
+    engine_first_token_ms,
+    engine_tpot_ms,
+)
 from benchmarks.loadgen import RunResult
 from benchmarks.report import _slug, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, plot_ttft_timeline, save_json
 from benchmarks.server_cpu import ServerCpu
@@ -196,6 +209,30 @@ def _fmt_counter(value: float | None) -> str:
     return "— (not on /metrics)" if value is None else f"{value:.0f}"
 
 
+def routing_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """Routing policies side by side (first rate of each scenario run with a policy): latency,
+    goodput, and where prompt tokens came from (engine prefix caches, the CPU tier)."""
+    rows = []
+    for s in scenarios:
+        if s.scenario.policy is None or not s.runs:
+            continue
+        run = s.runs[0].summary
+        m, prompt = run.server_metrics, run.total_input_tokens or 0
+
+        def share(name: str) -> str:
+            return f"{100 * m[name] / prompt:.0f}%" if prompt and name in m else "n/a"
+
+        rows.append(f"| {s.scenario.name} | {_ms(run.ttft_ms.p50)} | {_ms(run.ttft_ms.p99)} | {_ms(run.tpot_ms.p50)} "
+                    f"| {share(CACHE_HIT_TOKENS)} | {share(TIER_TOKENS)} | {share(COMPUTED_TOKENS)} "
+                    f"| {int(m.get(LOCAL_PREFILLS, 0))} | {run.goodput or 0:.2f} | {run.num_completed}/{run.num_requests} |")
+    if not rows:
+        return ""
+    head = ("| scenario | TTFT p50 | TTFT p99 | TPOT p50 | prefix-cache hits | CPU-tier hits | computed "
+            "| local prefills | goodput (req/s) | completed |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    return head + "\n".join(rows) + "\n\nToken shares are of the prompt tokens clients sent (an engine's hit on a remote prefill "
+    "and the decode engine's own hit may both count).\n"
+
+
 def fault_table(faults: Sequence[FaultReport]) -> str:
     """One column per fault scenario, each figure beside its goal (✓ met, ✗ missed); then the
     errors of the requests lost."""
@@ -233,8 +270,11 @@ def summary_markdown(report: BenchReport) -> str:
     parts = [
         "# Tandem bench\n",
         f"Command: `{report.command}`  ",
-        f"Workload: random prompts of {o.input_len} tokens, {o.output_len} output tokens (ignore_eos), Poisson arrivals at "
-        f"{', '.join(f'{r:g}' for r in o.rates)} req/s, {o.num_requests} measured requests per rate after {o.warmup} warm-up, seed {o.seed}; "
+        (f"Workload: random prompts of {o.input_len} tokens, {o.output_len} output tokens (ignore_eos), Poisson arrivals at "
+         if o.workload == "random" else
+         f"Workload: {o.turns}-turn chats after one shared {o.input_len}-token system prompt, each turn resending the history "
+         f"with a 32-96-token user message, {o.output_len} output tokens (ignore_eos), Poisson arrivals at ")
+        + f"{', '.join(f'{r:g}' for r in o.rates)} req/s, {o.num_requests} measured requests per rate after {o.warmup} warm-up, seed {o.seed}; "
         f"SLO TTFT ≤ {o.slo_ttft_ms:g} ms and TPOT ≤ {o.slo_tpot_ms:g} ms.  ",
     ]
     if env:
@@ -249,6 +289,7 @@ def summary_markdown(report: BenchReport) -> str:
         ("## KV transfer efficiency\n", transfer_table(report)),
         ("## Tandem colocated vs a plain vLLM server\n", vllm_comparison(report.scenarios)),
         (_fault_heading(report), fault_table(report.faults)),
+        (f"## Routing policies (rate {o.rates[0]:g} req/s)\n", routing_table(report.scenarios)),
     )
     parts += [part for heading, table in sections if table for part in (heading, table)]
     return "\n".join(parts)

@@ -48,6 +48,15 @@ VLLM_SERVER_METRICS = (*ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS, *ENGINE_FIRST_TOK
 TTFT_SUM = "tandem_time_to_first_token_seconds_sum"
 TTFT_COUNT = "tandem_time_to_first_token_seconds_count"
 
+# Routing: prompt tokens found in an engine's own prefix cache and computed (every engine,
+# so a remote prefill's tokens count on its prefill engine), loaded from the CPU tier, and
+# requests a conditional router prefilled on their decode engine.
+CACHE_HIT_TOKENS = 'tandem_prompt_tokens_total{source="local_cache_hit"}'
+COMPUTED_TOKENS = 'tandem_prompt_tokens_total{source="local_compute"}'
+TIER_TOKENS = 'tandem_connector_events_total{connector="TandemCpuTierConnector",event="tokens_loaded"}'
+LOCAL_PREFILLS = 'tandem_disaggregation_decisions_total{decision="local"}'
+ROUTING_METRICS = (CACHE_HIT_TOKENS, COMPUTED_TOKENS, TIER_TOKENS, LOCAL_PREFILLS)
+
 # Shown in the results table; the rest only feed the phase arithmetic (and the JSON).
 HEADLINE_METRICS = (KV_BYTES, KV_TRANSFERS, KV_SECONDS, KV_FAILURES, FALLBACKS, EXTERNAL_TOKENS)
 # Divided by completed requests in the table.
@@ -69,6 +78,7 @@ def metric_names() -> list[str]:
     names += [n for n in (*ENGINE_FIRST_TOKEN_SUMS, *ENGINE_FIRST_TOKEN_COUNTS) if n.startswith("tandem_")]
     names += [router_phase(p, s) for p in ROUTER_PHASES for s in ("sum", "count")]
     names += [n for pool in ("prefill", "both") for n in engine_queue(pool)]
+    names += ROUTING_METRICS
     return list(dict.fromkeys(names))
 
 

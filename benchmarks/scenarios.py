@@ -23,12 +23,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 import msgspec
 
-from orchestrator.config import PoolConfig, TandemConfig
+from orchestrator.config import Policy, PoolConfig, TandemConfig
 from orchestrator.models import hub_env, resolve_local
 from orchestrator.placement import omp_binding
 
@@ -43,7 +43,8 @@ DEFAULT_SCENARIOS = "colocated:1,1p1d,vllm-server"
 DEFAULT_CLUSTER_SCENARIOS = "colocated:1,1p1d"
 
 _COLOCATED = re.compile(r"^colocated(?::(?P<n>\d+))?$")
-_XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d$")
+_XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d(?:@(?P<routing>[a-z_]+)(?P<conditional>\+conditional)?)?$")
+POLICIES: tuple[str, ...] = get_args(Policy)
 _FAULT = re.compile(r"^fault:(?P<role>prefill|decode)$")
 
 
@@ -57,6 +58,10 @@ class Scenario(msgspec.Struct, frozen=True):
     # fault:<role>: the role whose first engine is SIGKILLed under load (a disaggregated
     # scenario measured for detection and recovery, not swept); None for every other scenario.
     fault: FaultRole | None = None
+    # <P>p<D>d@<policy>[+conditional]: the routing policy (and conditional disaggregation)
+    # this deployment runs, so one bench compares policies side by side; None: the config's.
+    policy: str | None = None
+    conditional: bool = False
 
     @property
     def num_engines(self) -> int:
@@ -81,10 +86,13 @@ def parse_scenario(text: str) -> Scenario:
         p, d = int(m["p"]), int(m["d"])
         if p < 1 or d < 1:
             raise ValueError(f"scenario {text!r}: disaggregated serving needs at least 1 prefill and 1 decode engine")
-        return Scenario(f"{p}p{d}d", "disaggregated", num_prefill=p, num_decode=d)
+        if m["routing"] and m["routing"] not in POLICIES:
+            raise ValueError(f"scenario {text!r}: unknown routing policy {m['routing']!r}; use one of {', '.join(POLICIES)}")
+        return Scenario(name, "disaggregated", num_prefill=p, num_decode=d, policy=m["routing"], conditional=bool(m["conditional"]))
     if m := _FAULT.match(name):
         return Scenario(name, "disaggregated", num_prefill=1, num_decode=1, fault=m["role"])
-    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d (e.g. 1p1d, 2p1d), vllm-server, fault:prefill or fault:decode")
+    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d[@<policy>[+conditional]] (e.g. 1p1d, "
+                     "2p1d@kv_aware+conditional), vllm-server, fault:prefill or fault:decode")
 
 
 def parse_scenarios(text: str) -> list[Scenario]:
@@ -112,6 +120,10 @@ def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_chan
         return msgspec.structs.replace(template, replicas=replicas)
 
     serve = msgspec.structs.replace(base.serve, port=port, app_name="bench")
+    routing = base.routing
+    if scenario.policy is not None:
+        routing = msgspec.structs.replace(routing, policy=scenario.policy,
+                                          disaggregation="conditional" if scenario.conditional else "always")
     kv = msgspec.structs.replace(base.kv_transfer, side_channel_base_port=side_channel_base_port)
     if scenario.kind != "disaggregated":
         pools: dict[str, PoolConfig | None] = {"colocated": pool(base.colocated, base.decode, replicas=scenario.num_decode), "prefill": None, "decode": None}
@@ -121,7 +133,7 @@ def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_chan
             "prefill": pool(base.prefill, base.colocated, replicas=scenario.num_prefill),
             "decode": pool(base.decode, base.colocated, replicas=scenario.num_decode),
         }
-    return msgspec.structs.replace(base, serve=serve, kv_transfer=kv, **pools)
+    return msgspec.structs.replace(base, serve=serve, kv_transfer=kv, routing=routing, **pools)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> int:

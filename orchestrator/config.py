@@ -18,7 +18,10 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
+BUILTIN_PREFIX = "builtin:"
 BUILTIN_TINY = "builtin:tiny"
+# The built-in models (orchestrator.tiny_model.SHAPES), served as "tandem-<name>".
+BUILTIN_MODELS = ("tiny", "small")
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -39,8 +42,9 @@ class ConfigError(ValueError):
 
 
 class ModelConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # A local folder with config.json, a hub id (org/name), or "builtin:tiny": a tiny
-    # random Llama generated locally on first use (no download), for tests and demos.
+    # A local folder with config.json, a hub id (org/name), or a random Llama generated
+    # locally on first use (no download): "builtin:tiny" for tests and demos,
+    # "builtin:small" where a prefill must cost real time (routing benchmarks).
     source: str = BUILTIN_TINY
     # The name clients pass as "model"; defaults to the source (or "tandem-tiny").
     served_name: str | None = None
@@ -49,7 +53,9 @@ class ModelConfig(Struct, forbid_unknown_fields=True, frozen=True):
     def name(self) -> str:
         if self.served_name:
             return self.served_name
-        return "tandem-tiny" if self.source == BUILTIN_TINY else self.source
+        if self.source.startswith(BUILTIN_PREFIX):
+            return "tandem-" + self.source.removeprefix(BUILTIN_PREFIX)
+        return self.source
 
 
 class AutoscalingConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -147,6 +153,10 @@ class KVTransferConfig(Struct, forbid_unknown_fields=True, frozen=True):
     slow_transfer_s: Annotated[float, Meta(gt=0)] = 1.0
 
 
+# How a router picks a replica within a pool (orchestrator.router, orchestrator.scoring).
+Policy = Literal["round_robin", "least_outstanding", "kv_aware"]
+
+
 class ScorerWeights(Struct, forbid_unknown_fields=True, frozen=True):
     """How much each of kv_aware's scorers counts (orchestrator.scoring); 0 turns one off.
     Every scorer gives an engine a score between 0 and 1 for one request."""
@@ -164,7 +174,7 @@ class ScorerWeights(Struct, forbid_unknown_fields=True, frozen=True):
 class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # How the router picks a replica within a pool (healthy replicas only). kv_aware scores
     # each replica on what its prefix cache holds (vLLM's KV events), the CPU tier and load.
-    policy: Literal["round_robin", "least_outstanding", "kv_aware"] = "least_outstanding"
+    policy: Policy = "least_outstanding"
     scorers: ScorerWeights = ScorerWeights()
     # kv_aware leaves out replicas whose KV cache is at least this full, unless all are.
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.config import BUILTIN_TINY
+from orchestrator.config import BUILTIN_PREFIX
 
 
 def looks_like_path(source: str) -> bool:
@@ -20,11 +20,11 @@ def hub_env(source: str) -> dict[str, str]:
 
 
 def resolve_local(source: str) -> str:
-    """The local folder (or hub id) for `source` on this machine, preparing builtin:tiny once."""
-    if source == BUILTIN_TINY:
-        from orchestrator.tiny_model import prepare_tiny_model
+    """The local folder (or hub id) for `source` on this machine, preparing a built-in model once."""
+    if source.startswith(BUILTIN_PREFIX):
+        from orchestrator.tiny_model import prepare_builtin_model
 
-        return str(prepare_tiny_model())
+        return str(prepare_builtin_model(source.removeprefix(BUILTIN_PREFIX)))
     if looks_like_path(source):
         return str(Path(source).expanduser().resolve())
     return source

@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from orchestrator.config import BUILTIN_TINY, ConfigError, TandemConfig
+from orchestrator.config import BUILTIN_MODELS, BUILTIN_PREFIX, ConfigError, TandemConfig
 from orchestrator.models import looks_like_path
 
 
 def check_model(cfg: TandemConfig) -> None:
     source = cfg.model.source
-    if source.startswith("builtin:") and source != BUILTIN_TINY:
-        raise ConfigError(f"`model.source`: unknown built-in model {source!r}; fix: use {BUILTIN_TINY!r}, a local folder or a hub id")
+    if source.startswith(BUILTIN_PREFIX) and source.removeprefix(BUILTIN_PREFIX) not in BUILTIN_MODELS:
+        known = ", ".join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)
+        raise ConfigError(f"`model.source`: unknown built-in model {source!r}; fix: use one of {known}, a local folder or a hub id")
     if looks_like_path(source):
         folder = Path(source).expanduser()
         if not (folder / "config.json").is_file():

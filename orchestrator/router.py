@@ -50,14 +50,13 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from actors.protocol import EngineChunk, EngineRequest, Role, SamplingOptions
 from orchestrator.cache_view import CacheView, PromptKeys
-from orchestrator.config import RoutingConfig
+from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide
 from orchestrator.protocol import EngineRef
 from orchestrator.scoring import EngineFacts, choose, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
-Policy = Literal["round_robin", "least_outstanding", "kv_aware"]
 # Where a request was when its consumer left: before any engine, prefilling, waiting for its
 # first output token (the decode engine pulling the KV), streaming its output.
 Phase = Literal["queued", "prefill", "handoff", "decode"]

@@ -1,8 +1,11 @@
-"""The built-in tiny model: a random 2-layer Llama with a byte-level BPE tokenizer.
+"""The built-in models: random Llamas with a byte-level BPE tokenizer, generated locally.
 
-Generated locally (no hub access), deterministically, once per cache folder; tests,
-`tandem serve` and benchmarks all reuse it. Outputs are gibberish but deterministic under
-greedy decoding, which is what equality tests need.
+`builtin:tiny` (2 layers, hidden 128) is what tests, `tandem serve` and most benchmarks run:
+its steps cost almost nothing, so it measures the serving path. `builtin:small` (6 layers,
+hidden 384, 2k context) makes a prefill cost real time on a CPU, which routing benchmarks
+need: there a prefix-cache hit must save something. Both are generated deterministically
+(no hub access) once per cache folder. Outputs are gibberish but deterministic under greedy
+decoding, which is what equality tests need.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from filelock import FileLock
 
 VERSION = "v1"
 MAX_POSITION_EMBEDDINGS = 1024
+
+# Llama shapes of the built-in models, by the name after "builtin:".
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": MAX_POSITION_EMBEDDINGS},
+    "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
+              "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 2048},
+}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -41,7 +52,7 @@ def _corpus(num_lines: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 24))) for _ in range(num_lines)]
 
 
-def _build(dest: Path) -> None:
+def _build(dest: Path, shape: dict[str, int]) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -65,12 +76,7 @@ def _build(dest: Path) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(fast),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        **shape,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
@@ -82,22 +88,27 @@ def _build(dest: Path) -> None:
 
 
 def prepare_tiny_model(root: Path | None = None) -> Path:
-    """Return the tiny model's folder, generating it first if this cache has none.
+    return prepare_builtin_model("tiny", root)
+
+
+def prepare_builtin_model(name: str, root: Path | None = None) -> Path:
+    """Return built-in model `name`'s folder, generating it first if this cache has none.
 
     Safe to call from several processes at once: one builds under a file lock into a
     temporary folder that is renamed into place, the others wait and reuse it.
     """
+    shape = SHAPES[name]
     root = root or cache_dir()
-    dest = root / f"tiny-llama-{VERSION}"
+    dest = root / f"{name}-llama-{VERSION}"
     if (dest / "config.json").is_file():
         return dest
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".tiny-llama-{VERSION}.lock")):
+    with FileLock(str(root / f".{name}-llama-{VERSION}.lock")):
         if (dest / "config.json").is_file():
             return dest
-        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            _build(tmp)
+            _build(tmp, shape)
             tmp.rename(dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

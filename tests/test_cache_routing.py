@@ -1,0 +1,177 @@
+"""Cache-aware routing with real engines: 2 prefill + 1 decode vLLM engines, NIXL, the CPU
+tier, two ingress replicas behind Serve's proxy, the official openai client.
+
+- a repeated prefix is prefilled where it is cached, whichever ingress replica routes it
+  (each follows the engines' own KV events);
+- blocks an engine evicts leave the routers' view of it;
+- under `conditional`, a prompt with little left to compute is prefilled on the decode
+  engine and a long one remotely, each decision counted on /metrics;
+- usage.prompt_tokens_details.cached_tokens is right on both paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.config import parse_config
+from orchestrator.job import Running, running
+from orchestrator.router import RequestTrace, Router
+from actors.protocol import SamplingOptions
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.engines
+
+MODEL = "tandem-tiny"
+LOCAL_MAX = 48
+CONFIG = {
+    # A small KV cache in small blocks (the CPU backend's default is 128 tokens), so a
+    # handful of long prompts evicts older ones.
+    "engine_args": {"max_model_len": 512, "block_size": 32, "num_gpu_blocks_override": 40},
+    "prefill": {"replicas": 2},
+    "decode": {"replicas": 1},
+    "routing": {"policy": "kv_aware", "disaggregation": "conditional", "local_prefill_max_tokens": LOCAL_MAX},
+    "serve": {"ingress_replicas": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
+    cfg = parse_config({
+        **CONFIG,
+        "serve": {**CONFIG["serve"], "port": free_port()},  # type: ignore[dict-item]
+        "kv_transfer": {"side_channel_base_port": free_port()},
+    })
+    with running(cfg, own_ray=False) as up:
+        yield up
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """n token ids no other seed's prompt shares a first block with."""
+    return [100 + (seed * 7919 + i * 31) % 3000 for i in range(n)]
+
+
+def metrics(up: Running) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(up.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "app")))] = s.value
+    return out
+
+
+def prefill_tokens(up: Running) -> dict[str, dict[str, float]]:
+    """Prompt tokens per prefill engine by source (computed / local cache hit / ...)."""
+    out: dict[str, dict[str, float]] = {}
+    for (name, labels), v in metrics(up).items():
+        lab = dict(labels)
+        if name == "tandem_prompt_tokens_total" and lab.get("pool") == "prefill":
+            out.setdefault(lab["engine"], {})[lab["source"]] = v
+    return out
+
+
+def finished_on(up: Running, pool: str) -> dict[str, float]:
+    return {dict(l)["engine"]: v for (n, l), v in metrics(up).items()
+            if n == "tandem_engine_requests_finished_total" and dict(l).get("pool") == pool}
+
+
+def complete(up: Running, ids: list[int]) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=up.base_url, api_key="-", max_retries=0, timeout=120)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0.0)
+    assert out.choices[0].finish_reason == "length"
+    return out
+
+
+def test_two_ingress_replicas_serve(pd: Running) -> None:
+    from ray import serve
+
+    status = serve.status().applications["tandem"].deployments["openai"]
+    assert status.replica_states.get("RUNNING") == 2
+
+
+def test_a_repeated_prefix_is_prefilled_where_it_is_cached(pd: Running) -> None:
+    shared = prompt(1, 320)
+    first = complete(pd, shared + [7] * 40)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    time.sleep(1.0)  # the engines' events reach both ingress replicas
+    before = prefill_tokens(pd)
+    for i in range(8):  # Serve's proxy spreads these over both ingress replicas
+        out = complete(pd, shared + prompt(100 + i, 100))  # 100 new tokens: worth a remote prefill
+        assert out.usage.prompt_tokens_details.cached_tokens >= 256, out.usage
+    after = prefill_tokens(pd)
+    computed = {e: after[e].get("local_compute", 0) - before.get(e, {}).get("local_compute", 0) for e in after}
+    hits = {e: after[e].get("local_cache_hit", 0) - before.get(e, {}).get("local_cache_hit", 0) for e in after}
+    holder = max(hits, key=hits.get)
+    # Every repeat hit the prefix on one engine; the other computed none of them.
+    assert hits[holder] >= 8 * 256, hits
+    assert all(computed[e] == 0 and hits[e] == 0 for e in after if e != holder), (computed, hits)
+
+
+def test_evicted_blocks_leave_the_view(pd: Running) -> None:
+    engines = pd.deployment.routing_engines()
+    router = Router(engines, pd.deployment.cfg.routing)
+    prefills = [e for e in engines if e.role == "prefill"]
+    decode = next(e for e in engines if e.role == "decode")
+    target = prompt(2, 320)
+
+    async def go() -> tuple[int, int]:
+        assert router.cache is not None
+        router.cache.sync()
+
+        async def send(ids: list[int]) -> None:
+            gen = router.generate(f"evict-{ids[0]}-{time.monotonic_ns()}", ids, SamplingOptions(max_tokens=1, temperature=0.0),
+                                  RequestTrace(), prefill_engine=prefills[0], decode_engine=decode)
+            async for _ in gen:
+                pass
+
+        async def cached_on_prefill() -> int:
+            await asyncio.sleep(1.0)
+            return router.cache.cached_tokens(prefills[0], router.cache.prompt(target))
+
+        await send(target)
+        held = await cached_on_prefill()
+        for seed in range(10, 16):  # 6 x 10 blocks through a 40-block cache
+            await send(prompt(seed, 320))
+        gone = await cached_on_prefill()
+        await router.cache.close()
+        return held, gone
+
+    held, gone = asyncio.run(asyncio.wait_for(go(), timeout=300))
+    assert held >= 256, "the view never saw the prompt's blocks stored"
+    assert gone == 0, "the view still counts blocks the engine evicted"
+
+
+def test_conditional_prefills_short_prompts_on_the_decode_engine(pd: Running) -> None:
+    before = sum(finished_on(pd, "prefill").values())
+    for i in range(4):
+        out = complete(pd, prompt(40 + i, LOCAL_MAX - 10))
+        assert out.usage.prompt_tokens == LOCAL_MAX - 10
+    assert sum(finished_on(pd, "prefill").values()) == before, "a short prompt went to the prefill pool"
+    # Long and uncached: remote. The decision counters are per ingress replica, so both
+    # replicas' counts are read by scraping until each has been seen.
+    complete(pd, prompt(60, 400))
+    assert sum(finished_on(pd, "prefill").values()) == before + 1
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (seen.get("local:short_uncached") and seen.get("remote:long_uncached")):
+        for (name, labels), v in metrics(pd).items():
+            if name == "tandem_disaggregation_decisions_total":
+                key = f"{dict(labels)['decision']}:{dict(labels)['reason']}"
+                seen[key] = max(seen.get(key, 0), v)
+    assert seen.get("local:short_uncached", 0) >= 1 and seen.get("remote:long_uncached", 0) >= 1, seen
+
+
+def test_cached_tokens_on_the_local_path(pd: Running) -> None:
+    shared = prompt(70, 300)
+    complete(pd, shared)  # remote: the decode engine pulls the blocks and caches them
+    time.sleep(1.0)
+    out = complete(pd, shared + [5] * 20)  # 20 new tokens: local, on the decode engine's cache
+    assert out.usage.prompt_tokens == 320
+    assert out.usage.prompt_tokens_details.cached_tokens >= 256, out.usage
