@@ -342,13 +342,19 @@ class Router:
         if engine is not None and prompt is not None and self.cache is not None:
             self.cache.expect(engine, prompt)
 
+    def _outstanding(self, engine: EngineRef, picker: EnginePicker) -> int:
+        """Requests in flight on `engine`: this router's count, or the engine's own (every
+        router's, as of its last cache update) when larger."""
+        seen = self.cache.load(engine.engine_id) if self.cache is not None else None
+        return max(picker.outstanding.get(engine.engine_id, 0), seen.num_requests if seen else 0)
+
     def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
         assert self.cache is not None
         seen = self.cache.load(engine.engine_id)
         cached = self.cache.cached_tokens(engine, prompt)
         return EngineFacts(
             engine.engine_id,
-            max(picker.outstanding.get(engine.engine_id, 0), seen.num_requests if seen else 0),
+            self._outstanding(engine, picker),
             cached,
             tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size),
             seen.kv_cache_usage if seen else 0.0,
@@ -370,7 +376,7 @@ class Router:
             tier = await self.cache.tier_prefix(decode, prompt)
             cached = max(cached, sum(tier.values()) * decode.block_size)
         picker = self.pools["prefill"]
-        busy = [picker.outstanding.get(e.engine_id, 0) for e in picker.healthy()]
+        busy = [self._outstanding(e, picker) for e in picker.healthy()]
         decision, reason = decide(self.routing, len(prompt.token_ids) if prompt else 0, cached, busy)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
@@ -398,7 +404,7 @@ class Router:
         phase: Phase = "queued"
         kv_params: dict[str, Any] | None = None
         prompt = None
-        if self.cache is not None:
+        if self.cache is not None and (prefill_engine is None or decode_engine is None):  # not pinned
             self.cache.sync()
             prompt = self.cache.prompt(prompt_token_ids)
         try:

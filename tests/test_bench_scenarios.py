@@ -278,8 +278,10 @@ def test_vllm_engine_processes_are_told_apart_by_the_title_vllm_gives_them() -> 
     procs = [subprocess.Popen(["bash", "-c", f"exec -a {title} sleep 30"]) for title in titles]
     try:
         deadline = time.monotonic() + 30
-        while any(psutil.Process(p.pid).cmdline()[:1] == ["bash"] for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)  # until each has exec'd
+        # Until each has exec'd: before that its command line is bash's, or (between fork and
+        # exec, on a loaded host) this very Python's.
+        while any(psutil.Process(p.pid).cmdline()[:1] != [t] for p, t in zip(procs, titles)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [is_engine(psutil.Process(p.pid)) for p in procs] == [True, True, False, False]
     finally:
         for p in procs:
