@@ -79,8 +79,8 @@ class EngineMovedError(RuntimeError):
 # a router that gave up on the stream before receiving it can still have the KV released
 # (vLLM's NIXL lease frees it after 30 s anyway).
 HANDOFF_TTL_S = 120.0
-# A router's cache_updates call that saw a change waits this long more, so that the events
-# of one busy stretch reach routers in a few calls rather than one call per engine step.
+# A router's cache_updates call that saw a change (or timed out) waits this long more, so
+# that the events of one busy stretch reach routers in a few calls rather than one per step.
 CACHE_UPDATE_COALESCE_S = 0.01
 
 
@@ -308,6 +308,7 @@ class EngineActor:
         num_prompt = len(req.prompt_token_ids)
         remaining = num_prompt + s.max_tokens
         self.load.add(1, remaining)
+        self.kv_events.poke()  # routers' view of the load
         outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
         try:
             async with contextlib.aclosing(batched(outputs, req.stream_batch_s, _has_text)) as batches:
@@ -343,6 +344,7 @@ class EngineActor:
                         return  # a stop string found here: closing the stream aborts vLLM's request
         finally:
             self.load.add(-1, -remaining)
+            self.kv_events.poke()
             if finished:
                 self.stats.num_requests_finished += 1
             else:
@@ -382,8 +384,7 @@ class EngineActor:
         deltas = None
         if incarnation == self.incarnation:
             await follower.wait_changed(version, timeout_s)
-            if follower.version != version:
-                await asyncio.sleep(CACHE_UPDATE_COALESCE_S)
+            await asyncio.sleep(CACHE_UPDATE_COALESCE_S)
             current, deltas = follower.changes_since(version)
         if deltas is None or any(d.cleared for d in deltas):
             current, held = follower.snapshot()

@@ -153,6 +153,12 @@ class KVEventFollower:
                 self.held.discard(k)
             self.version += 1
             self.log.append(CacheDelta(self.version, stored, removed, cleared))
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake every `wait_changed` now: the cache changed, or something routers read with it
+        (the engine's load: a request arrived or left) did."""
+        with self._lock:
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
@@ -172,7 +178,7 @@ class KVEventFollower:
             return self.version, list(self.held)
 
     async def wait_changed(self, version: int, timeout_s: float) -> None:
-        """Return when the version differs from `version`, or after `timeout_s`."""
+        """Return when the version differs from `version`, at a `poke`, or after `timeout_s`."""
         event = asyncio.Event()
         with self._lock:
             if self.version != version:

@@ -55,11 +55,11 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
 
 def prompt(seed: int, n: int) -> list[int]:
     """n token ids no other seed's prompt shares a first block with."""
-    return [100 + (seed * 7919 + i * 31) % 3000 for i in range(n)]
+    return [100 + (seed * 7919 + i * 31) % 397 for i in range(n)]  # the tiny vocabulary has 502 ids
 
 
 def metrics(up: Running) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(up.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    text = httpx.get(up.url.removesuffix("/v1") + "/metrics", timeout=30).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -83,7 +83,7 @@ def finished_on(up: Running, pool: str) -> dict[str, float]:
 
 
 def complete(up: Running, ids: list[int]) -> openai.types.Completion:
-    client = openai.OpenAI(base_url=up.base_url, api_key="-", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=up.url, api_key="-", max_retries=0, timeout=120)
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0.0)
     assert out.choices[0].finish_reason == "length"
     return out
