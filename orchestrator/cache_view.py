@@ -111,11 +111,9 @@ class CacheView:
         self.caches: dict[str, EngineCache] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._hashers: dict[tuple[str, str, int], PrefixHasher] = {}
-        self._engines: list[EngineRef] = []
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
         """Follow these engines (from the next `sync` on the event loop); forget the rest."""
-        self._engines = list(engines)
         self.caches = {e.engine_id: self.caches.get(e.engine_id) or EngineCache(e) for e in engines}
         for e in engines:
             self.caches[e.engine_id].ref = e
@@ -166,7 +164,8 @@ class CacheView:
         if cache is not None:
             cache.expect(prompt.for_engine(ref)[1], time.monotonic())
 
-    def load(self, engine_id: str) -> EngineCache | None:
+    def seen(self, engine_id: str) -> EngineCache | None:
+        """What the router last heard from the engine (its load included), if anything."""
         return self.caches.get(engine_id)
 
     async def tier_prefix(self, ref: EngineRef, prompt: PromptKeys) -> dict[str, int]:

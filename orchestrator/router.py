@@ -345,12 +345,12 @@ class Router:
     def _outstanding(self, engine: EngineRef, picker: EnginePicker) -> int:
         """Requests in flight on `engine`: this router's count, or the engine's own (every
         router's, as of its last cache update) when larger."""
-        seen = self.cache.load(engine.engine_id) if self.cache is not None else None
+        seen = self.cache.seen(engine.engine_id) if self.cache is not None else None
         return max(picker.outstanding.get(engine.engine_id, 0), seen.num_requests if seen else 0)
 
     def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
         assert self.cache is not None
-        seen = self.cache.load(engine.engine_id)
+        seen = self.cache.seen(engine.engine_id)
         cached = self.cache.cached_tokens(engine, prompt)
         return EngineFacts(
             engine.engine_id,
@@ -368,7 +368,7 @@ class Router:
             engine = await self._pick(self.pools["prefill"], prompt, exclude)
         return engine
 
-    async def _decide(self, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace) -> Decision:
+    async def _decide(self, prompt_tokens: int, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace) -> Decision:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted."""
         cached = 0.0
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
@@ -377,7 +377,7 @@ class Router:
             cached = max(cached, sum(tier.values()) * decode.block_size)
         picker = self.pools["prefill"]
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
-        decision, reason = decide(self.routing, len(prompt.token_ids) if prompt else 0, cached, busy)
+        decision, reason = decide(self.routing, prompt_tokens, cached, busy)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
         return decision
@@ -414,7 +414,7 @@ class Router:
                     first = await self._pick(self._output_pool(), prompt)
                 if first is None:
                     self._fall_back(trace, "no_decode_engine")
-                elif prefill_engine is not None or await self._decide(prompt, first, trace) == "remote":
+                elif prefill_engine is not None or await self._decide(len(prompt_token_ids), prompt, first, trace) == "remote":
                     phase = "prefill"
                     kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine, prompt)
             phase = "handoff"

@@ -18,13 +18,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.protocol import SamplingOptions
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
 from orchestrator.router import RequestTrace, Router
-from actors.protocol import SamplingOptions
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.engines

@@ -15,7 +15,7 @@ import pytest
 
 from actors.kv_events import KVEventFollower, PrefixHasher, as_key
 from actors.protocol import CacheUpdate, EngineChunk, EngineRequest, SamplingOptions
-from orchestrator.cache_view import CacheView, EngineCache
+from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
 from orchestrator.disaggregation import decide
 from orchestrator.protocol import EngineRef
