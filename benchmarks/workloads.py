@@ -182,7 +182,9 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
     The assistant replies in the history are synthetic text of the sampled reply length,
     not the server's answers, so the requests can be generated before the run. Requests are
     ordered turn by turn (every conversation's first turn, then every second turn, ...), so a
-    turn's prefix has been computed by the time it is sent.
+    turn's prefix has been computed by the time it is sent; within a turn the conversations
+    come in a new random order each time, as chats do not move in lockstep (in a fixed order,
+    round robin over an even number of replicas would send each chat to the same one).
     """
 
     turns: int
@@ -208,7 +210,7 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
                 turn.append(BenchRequest(prompt, n_reply, maker.count(prompt)))
                 histories[c] = f"{prompt} {maker.text(n_reply)}\n"
             by_turn.append(turn)
-        return [r for turn in by_turn for r in turn][:num_requests]
+        return [turn[i] for turn in by_turn for i in rng.permutation(len(turn))][:num_requests]
 
 
 class DatasetWorkload(msgspec.Struct, frozen=True, tag="dataset"):

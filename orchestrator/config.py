@@ -183,8 +183,9 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # decode engine when little of the prompt is left to compute there, or when the prefill
     # pool is busy).
     disaggregation: Literal["always", "never", "conditional"] = "always"
-    # conditional: prefill on the decode engine when at most this many prompt tokens are not
-    # already in its prefix cache or the CPU tier...
+    # conditional: prefill on the decode engine when the prompt tokens not already in its
+    # prefix cache or the CPU tier, times the requests that engine would hold up (those it
+    # runs, plus this one), are at most this many...
     local_prefill_max_tokens: Annotated[int, Meta(ge=0)] = 256
     # ...or when every prefill replica has at least this many requests in flight.
     prefill_busy_requests: PositiveInt = 4

@@ -4,8 +4,10 @@ itself (local)?
 A remote prefill pays a second hop and a KV transfer to keep long prefills off the decode
 engines, where they would stall every running decode for a step. When the decode engine
 already holds most of the prompt (its prefix cache or the CPU tier), the part left is short
-and computing it in place is cheaper than the round trip; when the prefill pool is saturated,
-waiting for it costs more than the stall. Counted on /metrics by decision and reason.
+and computing it in place is cheaper than the round trip, unless the engine is busy: the
+stall is paid by every request it runs, so the budget is the uncached tokens times the
+requests held up (the new one included). When the prefill pool is saturated, waiting for it
+costs more than the stall. Counted on /metrics by decision and reason.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from orchestrator.config import RoutingConfig
 
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
-# on the decode engine; prefill_busy: every prefill replica is saturated; long_uncached: worth
-# a remote prefill.
+# on the decode engine, for the requests it would hold up; prefill_busy: every prefill replica
+# is saturated; long_uncached: worth a remote prefill.
 Reason = Literal["always", "never", "short_uncached", "prefill_busy", "long_uncached"]
 DECISIONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "short_uncached"),
@@ -29,16 +31,18 @@ def decide(
     cfg: RoutingConfig,
     prompt_tokens: int,
     decode_cached_tokens: float,
+    decode_outstanding: int,
     prefill_outstanding: list[int],
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
-    cache, or the CPU tier); `prefill_outstanding`: requests in flight per healthy prefill
-    replica (empty: none is healthy, which the router handles as a fallback)."""
+    cache, or the CPU tier); `decode_outstanding`: requests in flight there;
+    `prefill_outstanding`: requests in flight per healthy prefill replica (empty: none is
+    healthy, which the router handles as a fallback)."""
     if cfg.disaggregation == "always":
         return "remote", "always"
     if cfg.disaggregation == "never":
         return "local", "never"
-    if prompt_tokens - decode_cached_tokens <= cfg.local_prefill_max_tokens:
+    if (prompt_tokens - decode_cached_tokens) * (1 + decode_outstanding) <= cfg.local_prefill_max_tokens:
         return "local", "short_uncached"
     if prefill_outstanding and min(prefill_outstanding) >= cfg.prefill_busy_requests:
         return "local", "prefill_busy"

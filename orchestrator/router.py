@@ -377,7 +377,8 @@ class Router:
             cached = max(cached, sum(tier.values()) * decode.block_size)
         picker = self.pools["prefill"]
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
-        decision, reason = decide(self.routing, prompt_tokens, cached, busy)
+        held_up = self._outstanding(decode, self._output_pool())
+        decision, reason = decide(self.routing, prompt_tokens, cached, held_up, busy)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
         return decision

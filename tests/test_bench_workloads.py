@@ -97,12 +97,12 @@ def test_random_prompts_have_exact_token_lengths_with_a_tokenizer(tokenizer) -> 
 
 def test_conversations_are_ordered_turn_by_turn() -> None:
     workload = ConversationWorkload(turns=3, system_len=20, user_len=Fixed(5), reply_len=Fixed(4))
-    requests = workload.sample(6, seed=0)
-    first, second, third = requests[0:2], requests[2:4], requests[4:6]
-    for c in range(2):
-        assert second[c].prompt.startswith(first[c].prompt)
-        assert third[c].prompt.startswith(second[c].prompt)
-    assert first[0].prompt != first[1].prompt
+    requests = workload.sample(9, seed=0)
+    first, second, third = requests[0:3], requests[3:6], requests[6:9]
+    # Each later turn extends exactly one chat's previous turn (in a shuffled order).
+    for later, earlier in ((second, first), (third, second)):
+        assert sorted(sum(r.prompt.startswith(e.prompt) for e in earlier) for r in later) == [1, 1, 1]
+    assert len({r.prompt for r in first}) == 3
 
 
 def test_conversations_share_one_system_prompt() -> None:

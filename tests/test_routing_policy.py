@@ -142,12 +142,14 @@ def test_tier_tokens_count_beyond_the_engine_and_halve_other_nodes() -> None:
 
 def test_decider_modes_and_thresholds() -> None:
     cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100, prefill_busy_requests=2)
-    assert decide(RoutingConfig(), 5000, 0, [0]) == ("remote", "always")
-    assert decide(RoutingConfig(disaggregation="never"), 5000, 0, [0]) == ("local", "never")
-    assert decide(cond, 80, 0, [0]) == ("local", "short_uncached")
-    assert decide(cond, 5000, 4950, [0]) == ("local", "short_uncached")  # decode holds the prefix
-    assert decide(cond, 5000, 0, [2, 3]) == ("local", "prefill_busy")
-    assert decide(cond, 5000, 0, [2, 0]) == ("remote", "long_uncached")
+    assert decide(RoutingConfig(), 5000, 0, 0, [0]) == ("remote", "always")
+    assert decide(RoutingConfig(disaggregation="never"), 5000, 0, 0, [0]) == ("local", "never")
+    assert decide(cond, 80, 0, 0, [0]) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 0, [0]) == ("local", "short_uncached")  # decode holds the prefix
+    # The same 50 tokens would hold up 3 running requests on the decode engine: remote.
+    assert decide(cond, 5000, 4950, 3, [0]) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 0, 0, [2, 3]) == ("local", "prefill_busy")
+    assert decide(cond, 5000, 0, 0, [2, 0]) == ("remote", "long_uncached")
 
 
 def test_routing_config_names_the_bad_field() -> None:
