@@ -85,6 +85,7 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     slo_tpot_ms: float = 50.0
     config: str | None = None  # base deployment config; scenarios replace its pools
     model: str | None = None  # overrides model.source of the config
+    cpu_tier: bool = True  # False: every scenario runs with cpu_tier.enabled false
     address: str | None = None  # Ray cluster to join; None: embedded Ray on 127.0.0.1
     target_url: str | None = None  # benchmark this OpenAI server instead of deploying
     target_model: str | None = None
@@ -162,6 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms, help="TPOT objective for goodput (default %(default)s)")
     p.add_argument("--config", help="base deployment config (model, engine args, connector); scenarios replace its pools")
     p.add_argument("--model", help="model folder or hub id (overrides the config's model.source)")
+    p.add_argument("--no-cpu-tier", dest="cpu_tier", action="store_false", help="run every scenario without the CPU KV tier (overrides the config)")
     p.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
     p.add_argument("--target-url", help="benchmark this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of deploying")
     p.add_argument("--target-model", help="model name to send with --target-url (default: the config's served name)")
@@ -198,6 +200,8 @@ def base_config(opts: BenchOptions) -> TandemConfig:
     base = load_config(opts.config)
     if opts.model:
         base = msgspec.structs.replace(base, model=msgspec.structs.replace(base.model, source=opts.model, served_name=None))
+    if not opts.cpu_tier:
+        base = msgspec.structs.replace(base, cpu_tier=msgspec.structs.replace(base.cpu_tier, enabled=False))
     return base
 
 

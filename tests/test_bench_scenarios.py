@@ -426,3 +426,23 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     assert (tmp_path / "vllm-server-cpu-matched-00-rate-4.json").is_file()
     for name in ("summary.md", "results.md", "bench.json", "latency.png", "goodput.png", "phases.png"):
         assert (tmp_path / name).is_file(), name
+
+
+def test_routing_scenarios_set_the_policy_and_the_bench_can_drop_the_tier() -> None:
+    from benchmarks.bench import base_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts = options_from_args(parser.parse_args(["--workload", "conversation", "--turns", "4", "--no-cpu-tier",
+                                                "--scenarios", "2p1d@kv_aware+conditional"]))
+    assert (opts.workload, opts.turns, opts.cpu_tier) == ("conversation", 4, False)
+    base = base_config(opts)
+    assert not base.cpu_tier.enabled
+    scenario = parse_scenario("2P1D@kv_aware+conditional")
+    cfg = scenario_config(base, scenario, 8000, 5600)
+    assert (cfg.routing.policy, cfg.routing.disaggregation) == ("kv_aware", "conditional")
+    assert cfg.prefill is not None and cfg.prefill.replicas == 2
+    plain = scenario_config(base, parse_scenario("2p1d@round_robin"), 8000, 5600)
+    assert (plain.routing.policy, plain.routing.disaggregation) == ("round_robin", "always")
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        parse_scenario("2p1d@fastest")
