@@ -109,7 +109,8 @@ class CacheView:
         """`tier_index`: the CPU tier's KVIndexActor handle, None when there is no tier."""
         self.tier_index = tier_index
         self.caches: dict[str, EngineCache] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # engine id -> the task following it and the EngineCache that task fills
+        self._tasks: dict[str, tuple[asyncio.Task[None], EngineCache]] = {}
         self._hashers: dict[tuple[str, str, int], PrefixHasher] = {}
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
@@ -120,12 +121,14 @@ class CacheView:
 
     def sync(self) -> None:
         """Start following new engines and stop following gone ones; needs a running loop."""
-        for eid in [eid for eid in self._tasks if eid not in self.caches]:
-            self._tasks.pop(eid).cancel()
+        for eid, (task, cache) in list(self._tasks.items()):
+            if self.caches.get(eid) is not cache:  # gone, or dropped and listed again meanwhile
+                task.cancel()
+                del self._tasks[eid]
         for eid, cache in self.caches.items():
-            task = self._tasks.get(eid)
-            if task is None or task.done():
-                self._tasks[eid] = asyncio.get_running_loop().create_task(self._follow(cache))
+            followed = self._tasks.get(eid)
+            if followed is None or followed[0].done():
+                self._tasks[eid] = (asyncio.get_running_loop().create_task(self._follow(cache)), cache)
 
     async def _follow(self, cache: EngineCache) -> None:
         while True:
@@ -182,7 +185,7 @@ class CacheView:
         return prompt.tier
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [task for task, _ in self._tasks.values()]
         self._tasks.clear()
         for t in tasks:
             t.cancel()

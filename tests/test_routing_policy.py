@@ -240,3 +240,24 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
     assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p"}
     assert router.stats.decisions["local:short_uncached"] == 1
     assert router.stats.decisions["remote:long_uncached"] == 1
+
+
+def test_an_engine_dropped_and_listed_again_is_followed_into_its_new_view() -> None:
+    from orchestrator.cache_view import CacheView
+
+    engine = CachingEngine("e", [SYSTEM])
+
+    async def go() -> bool:
+        view = CacheView()
+        view.set_engines([engine.ref("both")])
+        view.sync()
+        await asyncio.sleep(0.05)
+        view.set_engines([])  # out of routing (unhealthy), then back
+        view.set_engines([engine.ref("both")])
+        view.sync()
+        await asyncio.sleep(0.05)
+        held = view.cached_tokens(engine.ref("both"), view.prompt(SYSTEM)) == len(SYSTEM)
+        await view.close()
+        return held
+
+    assert asyncio.run(asyncio.wait_for(go(), timeout=10))
