@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -230,6 +230,7 @@ class EngineActor:
         self.incarnation = uuid.uuid4().hex[:8]
         self.stats = EngineStats(engine_id=spec.engine_id, role=spec.role)
         self.load = LoadMeter()
+        self.requests_by_origin: Counter[str] = Counter()
         # request id -> (when it left, kv_transfer_params) of prefills whose answer was sent.
         self._handed_off: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         ctx = ray.get_runtime_context()
@@ -308,6 +309,7 @@ class EngineActor:
         num_prompt = len(req.prompt_token_ids)
         remaining = num_prompt + s.max_tokens
         self.load.add(1, remaining)
+        self.requests_by_origin[req.origin] += 1
         self.kv_events.poke()  # routers' view of the load
         outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
         try:
@@ -344,6 +346,9 @@ class EngineActor:
                         return  # a stop string found here: closing the stream aborts vLLM's request
         finally:
             self.load.add(-1, -remaining)
+            self.requests_by_origin[req.origin] -= 1
+            if not self.requests_by_origin[req.origin]:
+                del self.requests_by_origin[req.origin]
             self.kv_events.poke()
             if finished:
                 self.stats.num_requests_finished += 1
@@ -398,7 +403,8 @@ class EngineActor:
             stored = [k for k, held_now in net.items() if held_now]
             removed = [k for k, held_now in net.items() if not held_now]
         return CacheUpdate(self.incarnation, current, full, stored, removed,
-                           self.load.num_requests, self.load.num_tokens, self.stats.kv_cache_usage)
+                           self.load.num_requests, self.load.num_tokens, self.stats.kv_cache_usage,
+                           dict(self.requests_by_origin))
 
     async def watch(self) -> None:
         """Never returns: the pool manager keeps one call pending, which Ray fails as soon as

@@ -51,6 +51,9 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # is the original prompt (its first `resume_from` ids) plus the output already streamed,
     # and the text continues from there (actors.resume).
     resume_from: int | None = None
+    # Which router sent it (Router.origin): an engine's load report counts requests per
+    # origin, so each router adds only the others' requests to its own exact count.
+    origin: str = ""
 
 
 class EngineChunk(msgspec.Struct, frozen=True):
@@ -122,6 +125,8 @@ class CacheUpdate(msgspec.Struct, frozen=True):
     num_requests: int
     num_tokens: int
     kv_cache_usage: float
+    # num_requests by EngineRequest.origin (origins with none left out).
+    requests_by_origin: dict[str, int] = {}
 
 
 class TransferStats(msgspec.Struct):

@@ -50,6 +50,7 @@ class EngineCache:
         self.expected: dict[int, float] = {}
         self.num_requests = 0
         self.num_tokens = 0
+        self.requests_by_origin: dict[str, int] = {}
         self.kv_cache_usage = 0.0
 
     def apply(self, update: CacheUpdate) -> None:
@@ -63,6 +64,7 @@ class EngineCache:
             self.expected.pop(k, None)
         self.incarnation, self.version = update.incarnation, update.version
         self.num_requests, self.num_tokens = update.num_requests, update.num_tokens
+        self.requests_by_origin = update.requests_by_origin
         self.kv_cache_usage = update.kv_cache_usage
 
     def prefix_blocks(self, keys: Sequence[int], now: float) -> int:

@@ -42,6 +42,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Any, Literal, get_args
 
@@ -298,6 +299,8 @@ class Router:
         roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("both",)
         self.pools: dict[str, EnginePicker] = {role: EnginePicker([], routing.policy) for role in roles}
         self.stats = RouterStats()
+        # Tags this router's engine requests (EngineRequest.origin).
+        self.origin = uuid.uuid4().hex[:12]
         self.set_engines(engines)
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
@@ -343,10 +346,14 @@ class Router:
             self.cache.expect(engine, prompt)
 
     def _outstanding(self, engine: EngineRef, picker: EnginePicker) -> int:
-        """Requests in flight on `engine`: this router's count, or the engine's own (every
-        router's, as of its last cache update) when larger."""
+        """Requests in flight on `engine`: this router's own (exact, now) plus the other
+        routers' as of the engine's last cache update. Taking the engine's whole count would
+        count this router's requests that ended since that update as still running."""
+        mine = picker.outstanding.get(engine.engine_id, 0)
         seen = self.cache.seen(engine.engine_id) if self.cache is not None else None
-        return max(picker.outstanding.get(engine.engine_id, 0), seen.num_requests if seen else 0)
+        if seen is None:
+            return mine
+        return mine + max(0, seen.num_requests - seen.requests_by_origin.get(self.origin, 0))
 
     def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
         assert self.cache is not None
@@ -501,6 +508,7 @@ class Router:
             prompt_token_ids,
             msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0),
             {"do_remote_decode": True},
+            origin=self.origin,
         )
         last: EngineChunk | None = None
         async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request_id))) as chunks:
@@ -566,6 +574,7 @@ class Router:
                 kv_params,
                 self.stream_batch_s,
                 resume_from=len(prompt_token_ids) if trace.migrations else None,
+                origin=self.origin,
             )
             trace.decode_engine = engine.engine_id
             if trace.t_decode_sent is None:

@@ -134,18 +134,26 @@ def metric(m: dict, name: str, **labels: str) -> float:
 def nothing_leaked(up: Running, within_s: float = 10) -> None:
     """Idle engines hold no KV blocks, the tier holds no pins and no slot reserved for a save,
     no request is in flight."""
+    left: dict[str, object] = {}
+
     def idle() -> bool:
         st = status(up)
         m = scrape(up)
-        return (
-            metric(m, "tandem_engine_kv_cache_usage") == 0
-            and metric(m, "tandem_requests_in_flight") == 0
-            and all(r.outstanding == 0 for p in st.pools for r in p.replicas)
-            and (st.cpu_tier is None or (st.cpu_tier.pinned == 0 and st.cpu_tier.open_grants == 0))
-        )
+        left.clear()
+        left.update({
+            "engine KV usage": {dict(ls).get("engine"): v for (n, ls), v in m.items() if n == "tandem_engine_kv_cache_usage" and v},
+            "requests in flight": metric(m, "tandem_requests_in_flight"),
+            "outstanding": {r.id: r.outstanding for p in st.pools for r in p.replicas if r.outstanding},
+            "tier pins/grants": None if st.cpu_tier is None else (st.cpu_tier.pinned, st.cpu_tier.open_grants),
+        })
+        return (not left["engine KV usage"] and not left["requests in flight"] and not left["outstanding"]
+                and left["tier pins/grants"] in (None, (0, 0)))
 
     # By default far below NIXL's 30-s lease: held blocks are released, not left to expire.
-    wait_until(idle, within_s, "engine KV, tier pins and requests in flight went back to idle")
+    try:
+        wait_until(idle, within_s, "engine KV, tier pins and requests in flight went back to idle")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still held: {left}") from None
 
 
 def prompt(i: int) -> list[int]:

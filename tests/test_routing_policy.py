@@ -182,6 +182,7 @@ class CachingEngine:
         self.hasher = PrefixHasher("sha256", SEED, BLOCK)
         self.held = {as_key(h) for p in held_prompts for h in self.hasher.hashes(p)}
         self.requests: list[EngineRequest] = []
+        self.requests_by_origin: dict[str, int] = {}  # the load it reports
         self.generate = _Method(self._generate)
         self.abort = _Method(lambda rid: _done(None))
         self.cache_updates = _Method(self._cache_updates)
@@ -192,7 +193,8 @@ class CachingEngine:
     async def _cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
         if version == 1:
             await asyncio.sleep(timeout_s)
-        return CacheUpdate("i0", 1, True, sorted(self.held), [], 0, 0, 0.0)
+        by_origin = self.requests_by_origin
+        return CacheUpdate("i0", 1, True, sorted(self.held), [], sum(by_origin.values()), 0, 0.0, dict(by_origin))
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
         self.requests.append(req)
@@ -223,6 +225,19 @@ def test_kv_aware_sends_a_prefix_to_the_engine_holding_it() -> None:
     for i in range(4):
         serve_one(router, SYSTEM + [i] * 20, RequestTrace())
     assert len(warm.requests) == 4 and not cold.requests
+
+
+def test_load_counts_other_routers_requests_but_not_this_routers_ended_ones() -> None:
+    """An engine's load report lags: requests this router already saw end may still be in it.
+    The router counts its own requests itself and takes only the others' from the report."""
+    prompt = SYSTEM[: 2 * BLOCK] + list(range(6 * BLOCK))  # a quarter of it held by `warm`
+    for reported, expect_warm in (("mine", True), ("other", False)):
+        cold, warm = CachingEngine("cold"), CachingEngine("warm", [SYSTEM])
+        router = Router([cold.ref("both"), warm.ref("both")], RoutingConfig(policy="kv_aware"))
+        warm.requests_by_origin = {router.origin if reported == "mine" else "another-router": 3}
+        serve_one(router, prompt, RequestTrace())
+        assert (len(warm.requests), len(cold.requests)) == ((1, 0) if expect_warm else (0, 1)), reported
+        assert (warm.requests + cold.requests)[0].origin == router.origin  # what engines count it by
 
 
 def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
