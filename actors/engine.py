@@ -79,6 +79,13 @@ class EngineMovedError(RuntimeError):
 # a router that gave up on the stream before receiving it can still have the KV released
 # (vLLM's NIXL lease frees it after 30 s anyway).
 HANDOFF_TTL_S = 120.0
+# How long `abort` waits for the request's run to take vLLM's last output: a prefill that
+# finished just before the abort has its answer there, not yet remembered.
+ABORT_DRAIN_S = 1.0
+# How long a request whose caller left is aborted again and again until vLLM ends it.
+ABORT_RETRY_S = 10.0
+# How many of the latest request ids an engine remembers having started.
+STARTED_MEMORY = 10_000
 # A router's cache_updates call that saw a change (or timed out) waits this long more, so
 # that the events of one busy stretch reach routers in a few calls rather than one per step.
 CACHE_UPDATE_COALESCE_S = 0.01
@@ -233,6 +240,12 @@ class EngineActor:
         self.requests_by_origin: Counter[str] = Counter()
         # request id -> (when it left, kv_transfer_params) of prefills whose answer was sent.
         self._handed_off: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        # request id -> set when its run on vLLM has ended (`_run`)
+        self._streams: dict[str, asyncio.Event] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        # The latest request ids this engine was given (`abort` tells a request that never
+        # started here from one that ended).
+        self._started: OrderedDict[str, None] = OrderedDict()
         ctx = ray.get_runtime_context()
         if spec.node_id is not None and ctx.get_node_id() != spec.node_id:
             raise EngineMovedError(
@@ -286,7 +299,32 @@ class EngineActor:
         return self._info
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Stream the request's output as deltas; the last chunk has finished=True."""
+        """Stream the request's output as deltas; the last chunk has finished=True.
+
+        The vLLM request runs in a task of its own (`_run`), not in this stream: when the caller
+        leaves, Ray cancels this stream, and a cancel landing inside vLLM's generate would drop
+        the output waiting there (a prefill's answer, so its blocks stay held until NIXL's
+        lease ends) or stop a decode before vLLM saw it (the prefill's blocks, again). Here a
+        cancelled stream becomes an abort, and `_run` takes vLLM's last output as usual."""
+        chunks: asyncio.Queue[EngineChunk | Exception | None] = asyncio.Queue()
+        ended = self._streams[req.request_id] = asyncio.Event()
+        self._started[req.request_id] = None
+        if len(self._started) > STARTED_MEMORY:
+            self._started.popitem(last=False)
+        runner = asyncio.create_task(self._run(req, chunks, ended))
+        try:
+            while (item := await chunks.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            if not runner.done():
+                aborting = asyncio.create_task(self._abort_until_ended(req.request_id, ended))
+                self._background.add(aborting)
+                aborting.add_done_callback(self._background.discard)
+
+    async def _run(self, req: EngineRequest, chunks: asyncio.Queue[EngineChunk | Exception | None], ended: asyncio.Event) -> None:
+        """Run one request on vLLM to its last output, putting its chunks (then None) in `chunks`."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         s = req.sampling
@@ -311,8 +349,8 @@ class EngineActor:
         self.load.add(1, remaining)
         self.requests_by_origin[req.origin] += 1
         self.kv_events.poke()  # routers' view of the load
-        outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
         try:
+            outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
             async with contextlib.aclosing(batched(outputs, req.stream_batch_s, _has_text)) as batches:
                 async for batch in batches:
                     out, comp = batch[-1], batch[-1].outputs[0]
@@ -322,29 +360,35 @@ class EngineActor:
                     prefilled = True
                     self.load.add(0, -done)
                     remaining -= done
-                    ended, reason = out.finished, comp.finish_reason
+                    ended_now, reason = out.finished, comp.finish_reason
                     if resumed is not None:
-                        text, token_ids, stopped = resumed.feed(token_ids, ended, ended and reason == "stop")
+                        text, token_ids, stopped = resumed.feed(token_ids, ended_now, ended_now and reason == "stop")
                         if stopped:
-                            ended, reason = True, "stop"
+                            ended_now, reason = True, "stop"
                     # vLLM ends an aborted request with a last output that is finished with reason
                     # "abort"; count it as aborted, as a cancelled stream is.
-                    finished = ended and reason != "abort"
+                    finished = ended_now and reason != "abort"
                     kv_params = out.kv_transfer_params if out.finished else None
                     if kv_params:
                         self._remember_handoff(req.request_id, kv_params)
-                    yield EngineChunk(
+                    chunks.put_nowait(EngineChunk(
                         text=text,
                         token_ids=token_ids,
-                        finished=ended,
+                        finished=ended_now,
                         finish_reason=reason,
                         num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
                         num_cached_tokens=out.num_cached_tokens or 0,
                         kv_transfer_params=kv_params,
-                    )
-                    if ended:
+                    ))
+                    if ended_now:
                         return  # a stop string found here: closing the stream aborts vLLM's request
+        except Exception as err:  # vLLM's (a bad request, a dead engine core): the caller's to see
+            chunks.put_nowait(err)
         finally:
+            chunks.put_nowait(None)
+            ended.set()
+            if self._streams.get(req.request_id) is ended:
+                del self._streams[req.request_id]
             self.load.add(-1, -remaining)
             self.requests_by_origin[req.origin] -= 1
             if not self.requests_by_origin[req.origin]:
@@ -355,18 +399,41 @@ class EngineActor:
             else:
                 self.stats.num_requests_aborted += 1
 
+    async def _abort_until_ended(self, request_id: str, ended: asyncio.Event) -> None:
+        """Abort a request whose caller left, again until its run ends: an abort that reaches
+        vLLM before the request itself does is a no-op."""
+        deadline = time.monotonic() + ABORT_RETRY_S
+        while not ended.is_set():
+            await self.llm.abort(request_id)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), 0.1)
+            if time.monotonic() > deadline and not ended.is_set():
+                logger.warning("request %s still runs %.0f s after its caller left and it was aborted",
+                               request_id, ABORT_RETRY_S)
+                return
+
     def _remember_handoff(self, request_id: str, kv_params: dict[str, Any]) -> None:
         now = time.monotonic()
         self._handed_off[request_id] = (now, kv_params)
         while self._handed_off and next(iter(self._handed_off.values()))[0] < now - HANDOFF_TTL_S:
             self._handed_off.popitem(last=False)
 
-    async def abort(self, request_id: str) -> dict[str, Any] | None:
+    async def abort(self, request_id: str, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Stop a request and free its blocks (a no-op if it already finished). For a prefill
         that had already finished, returns the kv_transfer_params it answered with: its blocks
         are held for a decode engine that will never come, and only a decode engine can
-        release them (`release_remote_kv`)."""
+        release them (`release_remote_kv`). A decode (`kv_transfer_params`: the prefill's
+        answer) that never started here, its call cancelled by Ray before it ran, releases the
+        prefill's blocks itself: no one else would."""
+        if request_id not in self._started and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
+            await self.release_remote_kv(f"{request_id}-release", kv_transfer_params)
+            return None
         await self.llm.abort(request_id)
+        if (stream_ended := self._streams.get(request_id)) is not None:
+            # After an abort vLLM ends the stream at once, with its last output: the prefill's
+            # answer when it had finished in the engine core just before.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stream_ended.wait(), ABORT_DRAIN_S)
         handed_off = self._handed_off.pop(request_id, None)
         return handed_off[1] if handed_off is not None else None
 

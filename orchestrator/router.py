@@ -138,7 +138,7 @@ async def stream_engine(
         if not finished and not engine_gone:
             held = None
             with contextlib.suppress(RayError, asyncio.TimeoutError):
-                held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id), ABORT_TIMEOUT_S)
+                held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id, req.kv_transfer_params), ABORT_TIMEOUT_S)
             if held and on_held_kv is not None:
                 await on_held_kv(held)
 

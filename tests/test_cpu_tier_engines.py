@@ -60,6 +60,22 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0) - before.get(key, 0)
 
 
+def tier_blocks(deployment: Deployment) -> int:
+    return sum(held for held, _ in ray.get(deployment.kv_index.get_stats.remote()).stores.values())
+
+
+def generate_saved(deployment: Deployment, handle: Any, request_id: str, tokens: list[int]) -> list[int]:
+    """generate(), then wait for its full blocks to be in the tier: an engine saves them after
+    the request has answered, and on a loaded host that can take a moment."""
+    before = tier_blocks(deployment)
+    out = generate(handle, request_id, tokens)
+    deadline = time.monotonic() + 30
+    while tier_blocks(deployment) < before + len(tokens) // BLOCK:
+        assert time.monotonic() < deadline, f"{request_id}'s blocks never reached the tier"
+        time.sleep(0.1)
+    return out
+
+
 @pytest.fixture(scope="module")
 def deployment(tiny_model: Any, ray_local: None) -> Iterator[Deployment]:
     cfg = parse_config({"colocated": {"replicas": 2}, "cpu_tier": TIER, "engine_args": ENGINE_ARGS})
@@ -77,7 +93,7 @@ def deployment(tiny_model: Any, ray_local: None) -> Iterator[Deployment]:
 def test_engine_loads_a_prefix_another_engine_computed(deployment: Deployment) -> None:
     a, b = (e.handle for e in deployment.engines)
     shared = prompt(1, 4 * BLOCK)
-    generate(a, "a-1", shared + prompt(2, 40))
+    generate_saved(deployment, a, "a-1", shared + prompt(2, 40))
     before = tier_counters(b)
     warm = generate(b, "b-1", shared + prompt(3, 40))
     loaded = delta(tier_counters(b), before, "tokens_loaded")
@@ -90,7 +106,7 @@ def test_engine_loads_a_prefix_another_engine_computed(deployment: Deployment) -
 def test_load_failing_midway_recomputes_the_rest(deployment: Deployment) -> None:
     a, b = (e.handle for e in deployment.engines)
     shared = prompt(4, 4 * BLOCK)
-    cold = generate(a, "a-2", shared + prompt(5, 30))
+    cold = generate_saved(deployment, a, "a-2", shared + prompt(5, 30))
     before = tier_counters(b)
     # tests.faults points this lookup's locations past the pool from block 2 on.
     answer = generate(b, "b-3-tierfail", shared + prompt(5, 30))

@@ -333,24 +333,61 @@ def test_clients_leaving_at_every_phase_are_aborted_everywhere_and_free_their_kv
             except asyncio.TimeoutError:
                 pass
 
+    async def leave_mid_stream(i: int) -> None:
+        """Leave once a few tokens have streamed: in the decode phase whatever the host's speed."""
+        body = {"model": MODEL, "prompt": [20 + (k * 5 + i) % 400 for k in range(200)], "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as c, c.stream("POST", f"{pd.url}/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen == 3:
+                    return
+
     async def main() -> None:
         for i, delay in enumerate(delays):
             await leave(i, delay, stream=i % 2 == 1)
+        for i in range(2):
+            await leave_mid_stream(i)
 
     asyncio.run(main())
     # Each abandoned request had 400 tokens to generate (seconds of work): none still runs.
     wait_until(lambda: metric(scrape(pd), "tandem_engine_running_requests") + metric(scrape(pd), "tandem_engine_waiting_requests") == 0,
-               3, "the engines stopped every abandoned request")
+               10, "the engines stopped every abandoned request")
     after = scrape(pd)
     aborted = {ph: metric(after, "tandem_requests_aborted_total", phase=ph) - metric(before, "tandem_requests_aborted_total", phase=ph)
                for ph in ("queued", "prefill", "handoff", "decode")}
     # A client gone within a few ms may never have reached the ingress (Serve's proxy drops
     # it); every one still there after 0.1 s was, and each was aborted, none ran to its end.
-    assert len(delays) >= sum(aborted.values()) >= sum(d >= 0.1 for d in delays), aborted
-    assert aborted["decode"] > 0 and aborted["prefill"] + aborted["handoff"] > 0, aborted
+    assert len(delays) + 2 >= sum(aborted.values()) >= sum(d >= 0.1 for d in delays) + 2, aborted
+    assert aborted["decode"] >= 2 and aborted["prefill"] + aborted["handoff"] > 0, aborted
     # A prefill that had just answered when its client left is not aborted on its engine but
     # released through the decode engine; every other abandoned request was aborted there.
     assert metric(after, "tandem_engine_requests_aborted_total") > metric(before, "tandem_engine_requests_aborted_total")
+    nothing_leaked(pd)
+
+
+def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: Running) -> None:
+    """A client that leaves while its decode call waits in Ray's queue: Ray drops the call, so
+    the decode engine never sees the request, and the prefill's blocks would stay held for
+    NIXL's whole lease. The router's abort carries the prefill's answer; the decode engine,
+    having never started that request, releases the blocks itself."""
+    from actors.protocol import EngineRequest, SamplingOptions
+
+    engines = pd.deployment.routing_engines()
+    prefill = next(e for e in engines if e.role == "prefill")
+    decode = next(e for e in engines if e.role == "decode")
+
+    async def prefill_only() -> dict[str, Any]:
+        req = EngineRequest("cancelled-before-start-p", [20 + k % 400 for k in range(300)],
+                            SamplingOptions(max_tokens=1, temperature=0), {"do_remote_decode": True})
+        chunks = [await ref async for ref in prefill.handle.generate.remote(req)]
+        assert chunks[-1].kv_transfer_params, chunks[-1]
+        return chunks[-1].kv_transfer_params
+
+    kv_params = asyncio.run(prefill_only())
+    assert ray.get(prefill.handle.get_stats.remote()).kv_cache_usage > 0, "the prefill holds its blocks for the decode"
+    assert ray.get(decode.handle.abort.remote("cancelled-before-start-d", kv_params)) is None
     nothing_leaked(pd)
 
 

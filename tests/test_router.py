@@ -53,7 +53,7 @@ class SilentEndEngine:
             yield _done(chunk)
         await asyncio.Event().wait()
 
-    def _abort(self, request_id: str) -> asyncio.Future:
+    def _abort(self, request_id: str, kv_params: dict[str, Any] | None = None) -> asyncio.Future:
         self.aborted.append(request_id)
         return _done(None)
 
@@ -87,7 +87,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.requests: list[EngineRequest] = []
         self.generate = _Method(self._generate)
-        self.abort = _Method(lambda request_id: _done(None))
+        self.abort = _Method(lambda request_id, kv_params=None: _done(None))
 
     async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
         self.requests.append(req)
@@ -157,7 +157,7 @@ class FakeEngine:
                                     finish_reason="length" if last else None))
             await asyncio.sleep(0)
 
-    def _abort(self, request_id: str) -> asyncio.Future:
+    def _abort(self, request_id: str, kv_params: dict[str, Any] | None = None) -> asyncio.Future:
         self.aborted.append(request_id)
         return _done(self.abort_answer)
 

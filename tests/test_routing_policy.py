@@ -184,7 +184,7 @@ class CachingEngine:
         self.requests: list[EngineRequest] = []
         self.requests_by_origin: dict[str, int] = {}  # the load it reports
         self.generate = _Method(self._generate)
-        self.abort = _Method(lambda rid: _done(None))
+        self.abort = _Method(lambda rid, kv_params=None: _done(None))
         self.cache_updates = _Method(self._cache_updates)
 
     def ref(self, role: str) -> EngineRef:
