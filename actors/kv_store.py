@@ -7,7 +7,7 @@ bookkeeping lives in the index actor.
 
 The store's NIXL agent needs a UCX progress thread (without one, writes into the pool never
 complete); it is built with a nonzero progress delay so it does not spin a whole core
-(see ``connectors.offload_worker.make_nixl_agent``). Engine-side agents initiate every
+(see ``actors.nixl_agent.make_nixl_agent``). Engine-side agents initiate every
 transfer and drive their own progress by polling, so they run without the thread.
 
 A store is restartable (``max_restarts``): a restart allocates a fresh pool, registers a
@@ -26,7 +26,7 @@ import numpy as np
 import ray
 
 from actors.kv_index import StoreEndpoint
-from connectors.offload_worker import make_nixl_agent
+from actors.nixl_agent import make_nixl_agent
 
 logger = logging.getLogger("tandem.kv_store")
 

@@ -24,19 +24,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from benchmarks.ballast import ballast
+from benchmarks.bench_report import write_bench_report
 from benchmarks.direct import run_direct
 from benchmarks.faults import FaultPlan, FaultReport, run_fault
 from benchmarks.loadgen import RunResult, run_load, run_sweep, scrape_metrics
-from benchmarks.nixl_micro import KVGeometry, MicroResult, run_micro, standard_sizes
+from benchmarks.nixl_micro import KVGeometry, run_micro, standard_sizes
 from benchmarks.phases import (
-    KV_BYTES,
     KV_MAX,
-    KV_SECONDS,
     VLLM_SERVER_METRICS,
     Overhead,
     PathFigures,
@@ -45,6 +44,7 @@ from benchmarks.phases import (
     router_phases_from_traces,
     ttft_phases,
 )
+from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
 from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, scenario_config
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO
@@ -63,85 +63,6 @@ DIRECT_SEED_OFFSET = 1000
 REFERENCE_SCENARIO = "colocated:1"
 # Less extra CPU than this is not worth a CPU-matched run.
 MIN_BALLAST_CORES = 0.01
-
-
-class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What `tandem bench` was asked to do; stored in bench.json."""
-
-    scenarios: str | None = None  # None: DEFAULT_SCENARIOS, or DEFAULT_CLUSTER_SCENARIOS with `address`
-    rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
-    num_requests: int = 40  # measured requests per rate
-    warmup: int = 2  # requests sent before each measured run
-    input_len: int = 256  # prompt tokens (conversation: the shared system prompt's)
-    output_len: int = 32  # output tokens (ignore_eos)
-    # random: independent prompts; conversation: multi-turn chats resending their history
-    # after one shared system prompt (the routing benchmark's workload).
-    workload: Literal["random", "conversation"] = "random"
-    turns: int = 6  # conversation: turns per chat
-    duration_s: float = 60.0  # no measured request is sent later than this into a run
-    request_timeout_s: float = 120.0
-    seed: int = 0
-    slo_ttft_ms: float = 500.0
-    slo_tpot_ms: float = 50.0
-    config: str | None = None  # base deployment config; scenarios replace its pools
-    model: str | None = None  # overrides model.source of the config
-    cpu_tier: bool = True  # False: every scenario runs with cpu_tier.enabled false
-    address: str | None = None  # Ray cluster to join; None: embedded Ray on 127.0.0.1
-    target_url: str | None = None  # benchmark this OpenAI server instead of deploying
-    target_model: str | None = None
-    tokenizer: str | None = None  # folder or hub id; default: the config's model
-    out_dir: str | None = None  # default results/bench-<timestamp>
-    overhead: bool = True  # also send the load straight to the engines
-    nixl_micro: bool = True
-    # Fault scenarios: the kill comes this many seconds into the load, which then runs until
-    # `fault_tail_s` after the killed engine is healthy again, `fault_window_s` after the kill at most.
-    fault_after_s: float = 10.0
-    fault_window_s: float = 150.0
-    fault_tail_s: float = 10.0
-
-
-class CpuMatched(msgspec.Struct, frozen=True):
-    """A plain vLLM server's run beside a ballast of the extra CPU Tandem's stack took."""
-
-    ballast_cores: float  # Tandem's direct-path CPU outside vLLM's engine processes, minus the vLLM server's
-    run: RunResult  # the direct run's prompts and schedule at its rate, over HTTP to the vLLM server
-
-
-class ScenarioReport(msgspec.Struct, frozen=True):
-    """What one scenario gave beyond its runs (which are saved as JSON files of their own)."""
-
-    scenario: Scenario
-    startup_s: float
-    runs: list[RunResult]  # the HTTP sweep, one per rate
-    direct: list[RunResult] = []  # the same sweep sent straight to the engine actors (Tandem only)
-    phases_ms: dict[str, dict[str, float]] = {}  # first rate: "<name> HTTP" / "<name> direct" -> phase -> ms
-    overhead: list[Overhead] = []  # HTTP vs direct, one per rate
-    # The slowest KV transfer any engine saw from start-up (warm-up included) to the end of the
-    # scenario; None where nothing was transferred or the server is not Tandem.
-    kv_max_s: float | None = None
-    cpu_matched: list[CpuMatched] = []  # vllm-server after colocated:1 only, one per rate
-
-    def kv_total(self, name: str) -> float:
-        """A KV counter's growth over every run of the scenario."""
-        return sum(r.summary.server_metrics.get(name, 0.0) for r in [*self.runs, *self.direct])
-
-    def overhead_at(self, rate: float | None) -> Overhead | None:
-        return next((o for o in self.overhead if o.rate == rate), None)
-
-    @property
-    def kv_gib_s(self) -> float | None:
-        seconds = self.kv_total(KV_SECONDS)
-        return self.kv_total(KV_BYTES) / seconds / 2**30 if seconds else None
-
-
-class BenchReport(msgspec.Struct, frozen=True):
-    options: BenchOptions
-    command: str
-    scenarios: list[ScenarioReport]
-    geometry: KVGeometry | None = None
-    micro: list[MicroResult] = []
-    elapsed_s: float = 0.0
-    faults: list[FaultReport] = []  # one per fault scenario, in the order run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -380,8 +301,6 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
 
 def main(args: argparse.Namespace) -> int:
     """The body of `tandem bench`: run, write the report, print the summary."""
-    from benchmarks.bench_report import write_bench_report
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bars
     opts = options_from_args(args)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from benchmarks.bench import BenchReport, ScenarioReport
+from benchmarks.protocol import BenchReport, ScenarioReport
 from benchmarks.faults import FAULT_COUNTERS, GOAL_DETECT_S, GOAL_LOST, GOAL_RECOVER_S, FaultReport, WindowName
 from benchmarks.nixl_micro import markdown as micro_markdown
 from benchmarks.phases import (

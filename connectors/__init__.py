@@ -1,15 +1,3 @@
-"""Everything that plugs into vLLM's KV-connector API; the registry is the public surface."""
-
-from connectors.registry import (
-    ConnectorError,
-    register_connector,
-    resolve_connector,
-    validate_kv_transfer_config,
-)
-
-__all__ = [
-    "ConnectorError",
-    "register_connector",
-    "resolve_connector",
-    "validate_kv_transfer_config",
-]
+"""Everything that plugs into vLLM's KV-connector API; `connectors.registry` is the public
+surface. Nothing is imported here: `connectors.config` is read by Tandem's config parser, which
+must not pull in vLLM."""

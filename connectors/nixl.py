@@ -9,7 +9,7 @@ host those threads take the cores the engines' forward passes run on: with two e
 two cores, decode slowed ~10x and some KV pulls stalled for seconds. Neither setting can be
 reached from vLLM's config, so this connector builds the agent itself from
 ``kv_connector_extra_config["tandem_nixl"]`` (Tandem's ``kv_transfer.nixl``, see
-:class:`orchestrator.config.NixlConfig`). By default: no progress thread (vLLM's engine
+:class:`connectors.config.NixlConfig`). By default: no progress thread (vLLM's engine
 loop polls NIXL every step while a request sends or receives KV and sleeps when idle, so
 transfers still progress on both sides), no dedicated threads, and a strict agent lock
 because vLLM's handshake thread calls the agent concurrently with the engine thread.
@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 from vllm.logger import init_logger
 
-from orchestrator.config import NixlConfig
+from connectors.config import NixlConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -28,7 +28,6 @@ Rules that keep the tier safe under faults:
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +38,7 @@ import numpy as np
 import ray
 
 from actors.kv_index import BlockLocation, Grant, StoreEndpoint
+from actors.nixl_agent import make_nixl_agent
 
 logger = logging.getLogger("tandem.cpu_tier")
 
@@ -59,27 +59,6 @@ SLOT_BYTES_WAIT_S = 10.0
 # The same warning is logged at most once per this many seconds (a slow index or a stalled
 # store would otherwise log every step).
 WARN_EVERY_S = 10.0
-
-
-def make_nixl_agent(name: str, progress_thread: bool, progress_delay_us: int = 200) -> Any:
-    """A NIXL agent whose UCX progress thread (if any) sleeps `progress_delay_us` between
-    polls. The nixl Python API hard-codes ``pthrDelay = 0``, a busy loop that costs a whole
-    core per agent (see PLATFORM.md); the delay is applied by wrapping the binding's agent
-    constructor for the duration of this call."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    bind = sys.modules[nixl_agent.__module__].nixlBind
-    real = bind.nixlAgent
-
-    def with_delay(agent_name: str, cfg: Any) -> Any:
-        cfg.pthrDelay = progress_delay_us
-        return real(agent_name, cfg)
-
-    bind.nixlAgent = with_delay
-    try:
-        return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
-    finally:
-        bind.nixlAgent = real
 
 
 @dataclass

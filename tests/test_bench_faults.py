@@ -9,7 +9,8 @@ import os
 import msgspec
 import pytest
 
-from benchmarks.bench import BenchOptions, BenchReport, add_arguments, checked_scenarios, options_from_args
+from benchmarks.bench import add_arguments, checked_scenarios, options_from_args
+from benchmarks.protocol import BenchOptions, BenchReport
 from benchmarks.bench_report import fault_table, write_bench_report
 from benchmarks.faults import FaultPlan, FaultReport, StatusSample, changes, detection, fault_windows, first_replica, max_gap, window_of
 from benchmarks.loadgen import RunConfig, RunResult, environment

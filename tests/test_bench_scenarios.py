@@ -11,7 +11,8 @@ import msgspec
 import psutil
 import pytest
 
-from benchmarks.bench import BenchOptions, BenchReport, CpuMatched, ScenarioReport, add_arguments, options_from_args, scenario_names
+from benchmarks.bench import add_arguments, options_from_args, scenario_names
+from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
 from benchmarks.bench_report import overhead_table, phase_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import HostCpu, RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes

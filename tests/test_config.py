@@ -112,7 +112,7 @@ def test_preflight_bad_connector_name() -> None:
 
 def _validate(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "validate", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=300
+        [sys.executable, "-m", "tandem.cli", "validate", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
 
 

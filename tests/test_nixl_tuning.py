@@ -26,7 +26,8 @@ from connectors.nixl import (
     settings_from_extra_config,
 )
 from orchestrator.cluster import WORKER_NICENESS
-from orchestrator.config import ConfigError, NixlConfig, parse_config
+from connectors.config import NixlConfig
+from orchestrator.config import ConfigError, parse_config
 from benchmarks.scenarios import vllm_server_env
 from orchestrator.specs import engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics

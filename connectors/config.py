@@ -1,0 +1,30 @@
+"""Settings the connectors take from Tandem's config (through kv_connector_extra_config).
+
+At the bottom of the layers: orchestrator.config embeds them, the connectors read them, and
+neither has to import the other's package for it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct
+
+
+class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""
+
+    # Run NIXL's UCX progress thread. NIXL's Python API fixes its poll delay at 0, so the
+    # thread busy-polls about one core per engine, idle or not. Off: vLLM's engine loop
+    # drives transfers (it steps while a request sends or receives KV, sleeps when idle).
+    progress_thread: bool = False
+    # Dedicated UCX worker threads per engine (vLLM's default: 4). Each busy-polls while a
+    # transfer of >= 1024 descriptors is in flight; 0 runs transfers on the engine thread.
+    num_threads: Annotated[int, Meta(ge=0)] = 0
+    # How the agent serialises calls from vLLM's threads (its handshake thread adds peers
+    # while the engine thread polls): "strict" one lock around every agent call, "rw" a
+    # reader-writer lock plus a thread-safe UCX worker.
+    sync_mode: Literal["strict", "rw"] = "strict"
+    # Extra environment for engine processes, for UCX (UCX_TLS, UCX_NET_DEVICES, ...).
+    # Empty lets UCX choose: shared memory / CMA within a host, TCP or RDMA across hosts.
+    ucx_env: dict[str, str] = {}
