@@ -410,8 +410,8 @@ def test_the_decode_pool_grows_under_load_and_drains_before_it_shrinks(pd: Runni
     def decode_replicas() -> list[Any]:
         return status(pd).pools[1].replicas
 
-    async def until(predicate: Any, what: str) -> None:
-        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    async def until(predicate: Any, what: str, timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
         while not await asyncio.to_thread(predicate):
             assert time.monotonic() < deadline, what
             await asyncio.sleep(1)
@@ -420,7 +420,10 @@ def test_the_decode_pool_grows_under_load_and_drains_before_it_shrinks(pd: Runni
         nonlocal workers_wanted
         client = openai.AsyncOpenAI(base_url=pd.url, api_key="unused", max_retries=0, timeout=300)
         workers = [asyncio.ensure_future(steady(client, k)) for k in range(8)]
-        await until(lambda: sum(r.state == "healthy" for r in decode_replicas()) == 2, "the decode pool grew under load")
+        # The new engine starts on cores the loaded ones are computing on: on a 2-core CI host
+        # its vLLM worker took 4 minutes just to import.
+        await until(lambda: sum(r.state == "healthy" for r in decode_replicas()) == 2, "the decode pool grew under load",
+                    2 * RECOVERY_TIMEOUT_S)
         await asyncio.sleep(5)  # the new replica takes part of the load
         served = metric(await asyncio.to_thread(scrape, pd), "tandem_engine_requests_finished_total", engine="decode-1")
         workers_wanted = 1  # the load drops to one request at a time, which keeps flowing
