@@ -54,7 +54,7 @@ from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide
 from orchestrator.protocol import EngineRef
-from orchestrator.scoring import EngineFacts, choose, tier_tokens
+from orchestrator.scoring import EngineFacts, choose, new_tokens, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
@@ -150,6 +150,9 @@ class EnginePicker:
         self.policy = policy
         self.engines: list[EngineRef] = []
         self.outstanding: dict[str, int] = {}
+        # Prompt tokens each replica has yet to compute for this router's requests in flight
+        # there, as estimated when they were sent (kv_aware's `work`).
+        self.queued_tokens: dict[str, float] = {}
         # engine id -> (incarnation whose process failed, when); skipped until the routing table
         # drops that incarnation or lists another, or for EXCLUSION_TTL_S at most.
         self.failed: dict[str, tuple[str, float]] = {}
@@ -190,11 +193,17 @@ class EnginePicker:
     def mark_failed(self, engine: EngineRef) -> None:
         self.failed[engine.engine_id] = (engine.incarnation, time.monotonic())
 
-    def acquire(self, engine: EngineRef) -> None:
-        self.outstanding[engine.engine_id] = self.outstanding.get(engine.engine_id, 0) + 1
+    def acquire(self, engine: EngineRef, tokens: float = 0.0) -> None:
+        """Count a request sent to `engine` that will compute `tokens` prompt tokens there."""
+        eid = engine.engine_id
+        self.outstanding[eid] = self.outstanding.get(eid, 0) + 1
+        self.queued_tokens[eid] = self.queued_tokens.get(eid, 0.0) + tokens
 
-    def release(self, engine: EngineRef) -> None:
-        self.outstanding[engine.engine_id] -= 1
+    def release(self, engine: EngineRef, tokens: float = 0.0) -> None:
+        """The request `acquire` counted (with the same `tokens`) has left `engine`."""
+        eid = engine.engine_id
+        self.outstanding[eid] -= 1
+        self.queued_tokens[eid] = max(0.0, self.queued_tokens[eid] - tokens) if self.outstanding[eid] else 0.0
 
 
 class RequestTrace(msgspec.Struct):
@@ -333,17 +342,24 @@ class Router:
             candidates = picker.candidates(exclude)
             if not candidates:
                 return None
-            tier = await self.cache.tier_prefix(candidates[0], prompt) if self.routing.scorers.tier > 0 else {}
+            weights = self.routing.scorers
+            tier = await self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
             facts = [self._facts(e, picker, prompt, tier) for e in candidates]
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
         return engine
 
-    def _expect(self, engine: EngineRef | None, prompt: PromptKeys | None) -> None:
-        """The prompt's blocks will be in `engine`'s cache: count them there until its events
-        say so (once the choice is final: the decision must see the cache as it is)."""
-        if engine is not None and prompt is not None and self.cache is not None:
-            self.cache.expect(engine, prompt)
+    def _claim(self, engine: EngineRef, prompt: PromptKeys | None) -> float:
+        """The request goes to `engine`: the prompt tokens it will compute there (kv_aware's
+        estimate; 0 without a cache view), and from now the prompt's blocks count as held
+        there until its events say so (after the estimate, and once the choice is final: the
+        decision must see the cache as it is)."""
+        if prompt is None or self.cache is None:
+            return 0.0
+        cached = self.cache.cached_tokens(engine, prompt)
+        tier = tier_tokens(prompt.tier or {}, engine.node_id, cached // engine.block_size, engine.block_size)
+        self.cache.expect(engine, prompt)
+        return new_tokens(len(prompt.token_ids), cached, tier, self.routing.tier_token_cost)
 
     def _outstanding(self, engine: EngineRef, picker: EnginePicker) -> int:
         """Requests in flight on `engine`: this router's own (exact, now) plus the other
@@ -359,12 +375,15 @@ class Router:
         assert self.cache is not None
         seen = self.cache.seen(engine.engine_id)
         cached = self.cache.cached_tokens(engine, prompt)
+        outstanding = self._outstanding(engine, picker)
+        mine = picker.outstanding.get(engine.engine_id, 0)
         return EngineFacts(
             engine.engine_id,
-            self._outstanding(engine, picker),
+            outstanding,
             cached,
             tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size),
             seen.kv_cache_usage if seen else 0.0,
+            picker.queued_tokens.get(engine.engine_id, 0.0) + (outstanding - mine) * len(prompt.token_ids),
         )
 
     async def _pick_output_engine(self, prompt: PromptKeys | None, exclude: set[str]) -> EngineRef | None:
@@ -465,10 +484,10 @@ class Router:
                 engine = pinned or await self._pick(picker, prompt, tried)
                 if engine is None:
                     break
-                self._expect(engine, prompt)
+                work = self._claim(engine, prompt)
                 tried.add(engine.engine_id)
                 trace.prefill_engine = engine.engine_id
-                picker.acquire(engine)
+                picker.acquire(engine, work)
                 try:
                     last = await asyncio.wait_for(
                         self._prefill_once(engine, f"{request_id}-p{attempt or ''}", prompt_token_ids, sampling),
@@ -491,7 +510,7 @@ class Router:
                     reason = "no_kv_params"
                     break
                 finally:
-                    picker.release(engine)
+                    picker.release(engine, work)
                 if attempt + 1 < attempts:
                     trace.prefill_retries += 1
                     _count(self.stats.retries, reason)
@@ -559,7 +578,9 @@ class Router:
         engine = pinned or first or await self._pick_output_engine(prompt, set())
         if engine is None:
             raise NoEngineError("no healthy engine is left to serve the request; retry once the pools have recovered")
-        self._expect(engine, prompt)
+        work = self._claim(engine, prompt)
+        if kv_params is not None:
+            work = 1.0  # the prefill's KV comes over NIXL: the engine computes the last token only
         generated: list[int] = []
         failed: set[str] = set()
         while True:
@@ -579,8 +600,8 @@ class Router:
             trace.decode_engine = engine.engine_id
             if trace.t_decode_sent is None:
                 trace.t_decode_sent = time.perf_counter()
-            serving, picker = engine, self.pools[engine.role]
-            picker.acquire(serving)
+            serving, picker, serving_work = engine, self.pools[engine.role], work
+            picker.acquire(serving, serving_work)
             try:
                 async with contextlib.aclosing(stream_engine(engine, req)) as chunks:
                     async for chunk in chunks:
@@ -616,9 +637,9 @@ class Router:
                 trace.migrations += 1
                 self.stats.migrations += 1
                 engine, kv_params = nxt, None
-                self._expect(engine, prompt)
+                work = self._claim(engine, prompt)
             finally:
-                picker.release(serving)
+                picker.release(serving, serving_work)
 
 
 def _continuation(sampling: SamplingOptions, num_generated: int) -> SamplingOptions:

@@ -27,21 +27,39 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # Prompt tokens beyond those in the CPU tier, blocks on other nodes counted half.
     tier_tokens: float
     kv_cache_usage: float
+    # Prompt tokens the replica has yet to compute for the requests in flight on it: this
+    # router's estimates (`new_tokens`) made when it sent them, other routers' requests
+    # counted at this request's size.
+    queued_tokens: float = 0.0
 
 
-Scorer = Callable[[EngineFacts, int], float]
+Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
 Filter = Callable[[EngineFacts, RoutingConfig], bool]
+
+
+def new_tokens(prompt_tokens: int, cached_tokens: float, tier_tokens: float, tier_token_cost: float) -> float:
+    """Prompt tokens an engine computes for a request, in computed-token units: those not in
+    its prefix cache, the CPU tier's counting `tier_token_cost` each; at least one (vLLM always
+    computes the last)."""
+    return max(1.0, prompt_tokens - cached_tokens - (1.0 - tier_token_cost) * tier_tokens)
 
 
 def _share(tokens: float, prompt_tokens: int) -> float:
     return min(1.0, tokens / prompt_tokens) if prompt_tokens > 0 else 0.0
 
 
+def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
+    """1 / (1 + the tokens ahead of this request's first token, in prompts of its size)."""
+    ahead = f.queued_tokens + new_tokens(n, f.cached_tokens, f.tier_tokens, cfg.tier_token_cost)
+    return 1.0 / (1.0 + ahead / max(n, 1))
+
+
 SCORERS: dict[str, Scorer] = {
-    "prefix": lambda f, n: _share(f.cached_tokens, n),
-    "tier": lambda f, n: _share(f.tier_tokens, n),
-    "load": lambda f, n: 1.0 / (1.0 + f.outstanding),
-    "kv_free": lambda f, n: max(0.0, 1.0 - f.kv_cache_usage),
+    "work": _work,
+    "prefix": lambda f, n, cfg: _share(f.cached_tokens, n),
+    "tier": lambda f, n, cfg: _share(f.tier_tokens, n),
+    "load": lambda f, n, cfg: 1.0 / (1.0 + f.outstanding),
+    "kv_free": lambda f, n, cfg: max(0.0, 1.0 - f.kv_cache_usage),
 }
 assert set(SCORERS) == set(ScorerWeights.__struct_fields__), "every scorer has a weight"
 
@@ -51,8 +69,9 @@ FILTERS: dict[str, Filter] = {
 }
 
 
-def score(facts: EngineFacts, prompt_tokens: int, weights: ScorerWeights) -> float:
-    return sum(getattr(weights, name) * fn(facts, prompt_tokens) for name, fn in SCORERS.items())
+def score(facts: EngineFacts, prompt_tokens: int, cfg: RoutingConfig) -> float:
+    weights = cfg.scorers
+    return sum(w * fn(facts, prompt_tokens, cfg) for name, fn in SCORERS.items() if (w := getattr(weights, name)))
 
 
 def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
@@ -62,7 +81,7 @@ def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingCo
         kept = [f for f in kept if keep(f, cfg)] or kept  # a filter never leaves no one
     if not kept:
         return None
-    return max(kept, key=lambda f: (round(score(f, prompt_tokens, cfg.scorers), 9), -f.outstanding))
+    return max(kept, key=lambda f: (round(score(f, prompt_tokens, cfg), 9), -f.outstanding))
 
 
 def tier_tokens(by_node: dict[str, int], node_id: str, cached_blocks: int, block_size: int) -> float:

@@ -110,26 +110,47 @@ def test_engine_cache_longest_run_and_expectations() -> None:
     assert cache.held == {9}
 
 
-def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0) -> EngineFacts:
-    return EngineFacts(eid, outstanding, cached, tier, usage)
+def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0,
+          queued: float = 0.0) -> EngineFacts:
+    return EngineFacts(eid, outstanding, cached, tier, usage, queued)
 
 
-def test_scorers_trade_prefix_for_load() -> None:
-    cfg = RoutingConfig(policy="kv_aware")
-    # The engine holding 90% of the prompt wins while it is not much busier...
-    assert choose([facts("idle"), facts("holder", outstanding=2, cached=900)], 1000, cfg).engine_id == "holder"
-    # ...but a shared prefix that is half the prompt does not pile every request on one engine.
-    assert choose([facts("holder", outstanding=2, cached=500), facts("idle")], 1000, cfg).engine_id == "idle"
+def test_work_weighs_what_a_cache_saves_against_the_queue_ahead() -> None:
+    cfg = RoutingConfig(policy="kv_aware")  # default weights: work alone
+    # The holder of 90% of the prompt computes 100 tokens; the idle engine 1000.
+    assert choose([facts("idle"), facts("holder", 1, cached=900, queued=500)], 1000, cfg).engine_id == "holder"
+    # Once more than the 900 saved tokens wait ahead of it, the repeat goes elsewhere.
+    assert choose([facts("holder", 2, cached=900, queued=1200), facts("idle")], 1000, cfg).engine_id == "idle"
+    # A prefix in the CPU tier is a cheap load (tier_token_cost 0.1): 190 tokens' work, so a
+    # holder with a queue loses to the engine that would load it...
+    assert choose([facts("holder", 1, cached=900, queued=200), facts("loads", tier=900)], 1000, cfg).engine_id == "loads"
+    # ...and an idle holder wins over it.
+    assert choose([facts("loads", tier=900), facts("holder", cached=900)], 1000, cfg).engine_id == "holder"
+    # With tier_token_cost 1 the tier saves nothing.
+    dear_tier = RoutingConfig(policy="kv_aware", tier_token_cost=1.0)
+    assert choose([facts("loads", tier=900), facts("idle", queued=100)], 1000, dear_tier).engine_id == "loads"
+    assert choose([facts("loads", tier=900, queued=100), facts("idle")], 1000, dear_tier).engine_id == "idle"
     # Equal scores go to the engine with fewer requests in flight.
-    assert choose([facts("a", 1), facts("b", 1)], 10, cfg).engine_id == "a"
+    assert choose([facts("a", 2), facts("b", 1)], 10, cfg).engine_id == "b"
     # A nearly full KV cache is filtered out unless every engine is that full.
     full = facts("full", cached=1000, usage=0.99)
-    assert choose([full, facts("other", outstanding=3)], 1000, cfg).engine_id == "other"
+    assert choose([full, facts("other", outstanding=3, queued=3000)], 1000, cfg).engine_id == "other"
     assert choose([full], 1000, cfg).engine_id == "full"
-    # Weights are config: with load off, the prefix always wins.
-    no_load = RoutingConfig(policy="kv_aware", scorers=ScorerWeights(load=0.0))
-    assert choose([facts("holder", outstanding=9, cached=500), facts("idle")], 1000, no_load).engine_id == "holder"
-    assert score(facts("x", cached=1000, usage=1.0), 1000, ScorerWeights()) == pytest.approx(1.0 + 1.0)
+    # Score: 1 / (1 + tokens ahead / prompt tokens); a fully cached prompt still computes one.
+    assert score(facts("x", cached=1000), 1000, cfg) == pytest.approx(1 / (1 + 1 / 1000))
+    assert score(facts("x", queued=500, cached=500), 1000, cfg) == pytest.approx(0.5)
+
+
+def test_scorer_weights_compose_other_policies() -> None:
+    """The other scorers are config away: llm-d's sum of prefix share and load, say."""
+    llmd = RoutingConfig(policy="kv_aware", scorers=ScorerWeights(work=0.0, prefix=1.0, load=1.0, kv_free=0.2))
+    assert choose([facts("idle"), facts("holder", outstanding=2, cached=900)], 1000, llmd).engine_id == "holder"
+    assert choose([facts("holder", outstanding=2, cached=500), facts("idle")], 1000, llmd).engine_id == "idle"
+    prefix_only = RoutingConfig(policy="kv_aware", scorers=ScorerWeights(work=0.0, prefix=1.0))
+    assert choose([facts("holder", 9, cached=500, queued=9000), facts("idle")], 1000, prefix_only).engine_id == "holder"
+    weights = ScorerWeights(work=0.0, prefix=1.0, tier=0.5, load=1.0, kv_free=0.2)
+    f = facts("x", outstanding=1, cached=500, tier=250, usage=0.5)
+    assert score(f, 1000, RoutingConfig(scorers=weights)) == pytest.approx(0.5 + 0.5 * 0.25 + 0.5 + 0.2 * 0.5)
 
 
 def test_tier_tokens_count_beyond_the_engine_and_halve_other_nodes() -> None:
@@ -225,6 +246,20 @@ def test_kv_aware_sends_a_prefix_to_the_engine_holding_it() -> None:
     for i in range(4):
         serve_one(router, SYSTEM + [i] * 20, RequestTrace())
     assert len(warm.requests) == 4 and not cold.requests
+    assert router.pools["both"].queued_tokens == {"warm": 0.0}  # every estimate given back
+
+
+def test_kv_aware_sends_the_repeat_elsewhere_when_the_holders_queue_is_longer_than_it_saves() -> None:
+    cold, warm = CachingEngine("cold"), CachingEngine("warm", [SYSTEM])
+    router = Router([cold.ref("both"), warm.ref("both")], RoutingConfig(policy="kv_aware"))
+    picker, prompt = router.pools["both"], SYSTEM + [5] * 20
+    # This router's own requests in flight on `warm`: their estimate is what counts, not their number.
+    picker.acquire(warm.ref("both"), 10.0)
+    serve_one(router, prompt, RequestTrace())
+    assert len(warm.requests) == 1
+    picker.acquire(warm.ref("both"), 2.0 * len(prompt))
+    serve_one(router, prompt, RequestTrace())
+    assert len(warm.requests) == 1 and len(cold.requests) == 1
 
 
 def test_load_counts_other_routers_requests_but_not_this_routers_ended_ones() -> None:
