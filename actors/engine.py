@@ -33,6 +33,7 @@ import ray
 
 from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
+from actors.logs import setup_logging
 from actors.resume import ResumedText
 from actors.protocol import (
     TRANSFER_BUCKETS,
@@ -227,6 +228,7 @@ class EngineActor:
     def __init__(self, spec: EngineSpec) -> None:
         """Build the engine (blocks until vLLM's engine core is up). Ray queues calls to the
         actor meanwhile, so `info()` answers once the engine serves."""
+        setup_logging()
         from vllm.config.kv_events import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -22,6 +22,7 @@ import msgspec
 import ray
 from ray import serve
 
+from actors.logs import setup_logging
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.cluster import init_ray
 from orchestrator.deploy import Deployment
@@ -29,10 +30,6 @@ from orchestrator.preflight import preflight
 from orchestrator.serve import build_ingress
 
 logger = logging.getLogger("tandem.job")
-
-
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 class Running(msgspec.Struct, frozen=True):

@@ -9,7 +9,8 @@ from orchestrator.config import ConfigError, load_config, to_dict
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from orchestrator.job import serve_until_stopped, setup_logging
+    from actors.logs import setup_logging
+    from orchestrator.job import serve_until_stopped
 
     setup_logging()
     serve_until_stopped(load_config(args.config), args.address)

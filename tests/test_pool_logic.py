@@ -3,6 +3,7 @@ shapes for tensor parallelism, core sharing for added replicas, and the operator
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgspec
@@ -196,3 +197,51 @@ def test_metrics_show_a_down_engine_as_down_with_its_restarts() -> None:
     assert samples[("tandem_engine_state", tuple(sorted((*down, ("state", "restarting")))))] == 1
     assert samples[("tandem_engine_up", (("app", "t"), ("engine", "decode-1"), ("pool", "decode")))] == 1
     assert samples[("tandem_pool_healthy_replicas", (("app", "t"), ("pool", "decode")))] == 1
+
+
+# ---- health checks ----------------------------------------------------------------------
+
+
+class _Health:
+    """A replica's handle whose health calls answer after the delays given, in order."""
+
+    def __init__(self, *delays: float) -> None:
+        self.delays = list(delays)
+        self.health = self
+
+    def remote(self) -> asyncio.Future:
+        return asyncio.ensure_future(asyncio.sleep(self.delays.pop(0), result=None))
+
+
+def _check(peers: int, *delays: float) -> tuple[bool, list[str]]:
+    """Run the pool manager's confirmed health check (its real method, on a stand-in for the
+    actor's state) of one replica with `peers` healthy others in its pool; returns the
+    verdict and the states the replica went through."""
+    from types import SimpleNamespace
+
+    from orchestrator.config import HealthConfig
+    from orchestrator.pools import PoolManager, Replica
+
+    states: list[str] = []
+    r = Replica("decode-0", "decode", None, None, handle=_Health(*delays), state="healthy")  # type: ignore[arg-type]
+    others = {f"decode-{i + 1}": Replica(f"decode-{i + 1}", "decode", None, None, state="healthy") for i in range(peers)}  # type: ignore[arg-type]
+
+    def set_state(replica: Replica, state: str) -> None:
+        replica.state = state  # type: ignore[assignment]
+        states.append(state)
+
+    manager = SimpleNamespace(replicas={"decode-0": r, **others}, health=HealthConfig(timeout_s=0.2), _set_state=set_state)
+    answers = PoolManager.__ray_metadata__.modified_class._answers
+    return asyncio.run(answers(manager, r)), states
+
+
+def test_a_missed_health_check_is_confirmed_before_the_engine_is_condemned() -> None:
+    # Answers in time: nothing happens.
+    assert _check(1, 0.0) == (True, [])
+    # One miss: out of routing while it is asked again; answers the second time.
+    assert _check(1, 1.0, 0.0) == (True, ["unhealthy"])
+    # Two misses: condemned (the caller restarts it).
+    assert _check(1, 1.0, 1.0) == (False, ["unhealthy"])
+    # The pool's last replica in routing stays there while it is checked again.
+    assert _check(0, 1.0, 0.0) == (True, [])
+    assert _check(0, 1.0, 1.0) == (False, [])
