@@ -44,6 +44,7 @@ from actors.protocol import (
     EngineRequest,
     EngineStats,
     Role,
+    parse_stats,
 )
 
 logger = logging.getLogger("tandem.engine")
@@ -133,31 +134,20 @@ def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) 
 
 
 def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s: float = 1.0) -> None:
-    """Dispatch a scheduler_stats.kv_connector_stats payload by its shape.
-
-    NixlConnector alone sends its data dict; a MultiConnector sends {child name: stats}
-    whose values are stats objects or {"data": ...} dicts; Tandem's connectors send
-    {"counters": {name: {counter: value}}}; TandemMultiConnector sends per-child counters
-    {"children": {name: {counter: value}}, "transfers": {name: nixl data}}
-    (connectors.multi.StatsPayload), whose transfers feed EngineStats.transfers as if
-    NixlConnector ran alone.
-    """
-    if "transfer_duration" in payload:
+    """Fold a scheduler_stats.kv_connector_stats payload into the engine's stats. Tandem's
+    engines send one of two: TandemMultiConnector's StatsPayload (per-child counters, plus its
+    NIXL children's transfer records, which count as if NixlConnector ran alone), or
+    TandemNixlConnector's own NIXL data dict when it runs alone."""
+    if "children" not in payload:
         _observe_transfers(stats, payload, slow_s)
         return
-    if "counters" in payload or "children" in payload:
-        for name, counters in payload.get("counters", payload.get("children", {})).items():
-            mine = stats.connector_counters.setdefault(name, {})
-            for key, value in counters.items():
-                mine[key] = mine.get(key, 0) + value
-        # TandemMultiConnector forwards its NIXL-shaped children's raw transfer records.
-        for data in (payload.get("transfers") or {}).values():
-            _observe_transfers(stats, data, slow_s)
-        return
-    for child in payload.values():
-        data = getattr(child, "data", child)
-        if isinstance(data, dict):
-            _observe_connector_stats(stats, data.get("data", data) if "data" in data else data, slow_s)
+    parsed = parse_stats(payload)
+    for name, counters in parsed.children.items():
+        mine = stats.connector_counters.setdefault(name, {})
+        for key, value in msgspec.structs.asdict(counters).items():
+            mine[key] = mine.get(key, 0) + value
+    for data in parsed.transfers.values():
+        _observe_transfers(stats, data, slow_s)
 
 
 async def batched(

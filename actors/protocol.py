@@ -6,6 +6,7 @@ turns them into vLLM objects. Only what a request needs crosses the process boun
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -167,3 +168,55 @@ class EngineStats(msgspec.Struct):
     num_decoded_requests: int = 0
     # Raw per-connector counters reported by Tandem's connectors (name -> counter -> value).
     connector_counters: dict[str, dict[str, float]] = {}
+
+
+# ---- what TandemMultiConnector reports in vLLM's scheduler stats (connectors.multi) ----
+
+
+class ChildCounters(msgspec.Struct):
+    """Counters of one child since the last stats report. Role that fills each field:
+
+    scheduler: hits, tokens_loaded, load_failures, fallbacks, recomputes;
+    worker: load_error_blocks; whichever role the child reports them from: bytes_loaded,
+    bytes_saved, tokens_saved (vLLM's OffloadingConnector reports bytes from the scheduler,
+    NixlConnector from the worker).
+    """
+
+    hits: int = 0  # requests whose external tokens this child was chosen to load
+    tokens_loaded: int = 0  # tokens this child was chosen to load (as allocated by vLLM)
+    tokens_saved: int = 0  # tokens the child reports saving ("tokens_saved" stats key)
+    bytes_loaded: int = 0  # bytes the child reports loading
+    bytes_saved: int = 0  # bytes the child reports saving
+    load_failures: int = 0  # requests whose load from this child failed
+    load_error_blocks: int = 0  # block ids this child reported with load errors
+    fallbacks: int = 0  # re-queries after this child failed that another child served
+    recomputes: int = 0  # re-queries after this child failed that no child could serve
+
+    def is_zero(self) -> bool:
+        return not any(msgspec.structs.astuple(self))
+
+    def add(self, other: ChildCounters) -> None:
+        for field in self.__struct_fields__:
+            setattr(self, field, getattr(self, field) + getattr(other, field))
+
+
+class StatsPayload(msgspec.Struct):
+    """The documented shape of ``TandemMultiStats.data``: ``{"children": {name: counters}}``.
+
+    A child's name is its ``kv_connector``, suffixed ``#<position>`` when the same name
+    appears twice. Written by ``connectors.multi``; read (``parse_stats``) by the engine actor and
+    stat loggers.
+    """
+
+    children: dict[str, ChildCounters] = {}
+    # Raw transfer records of children whose stats have NixlKVConnectorStats' shape (lists
+    # per key: transfer_duration, bytes_transferred, num_failed_transfers, ...), by child
+    # name, so the engine still folds NIXL transfers into EngineStats.transfers (count,
+    # bytes, seconds, max, histogram) when NixlConnector runs as a child.
+    transfers: dict[str, dict[str, list[Any]]] = {}
+
+
+def parse_stats(data: Mapping[str, Any]) -> StatsPayload:
+    """Decode the dict that vLLM's SchedulerStats.kv_connector_stats carries for
+    TandemMultiConnector."""
+    return msgspec.convert(data, StatsPayload)

@@ -14,9 +14,9 @@ from msgspec import Meta, Struct
 class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""
 
-    # Run NIXL's UCX progress thread. NIXL's Python API fixes its poll delay at 0, so the
-    # thread busy-polls about one core per engine, idle or not. Off: vLLM's engine loop
-    # drives transfers (it steps while a request sends or receives KV, sleeps when idle).
+    # Run NIXL's UCX progress thread (Tandem's agents sleep it 200 us between polls; NIXL's
+    # Python API would busy-poll a core per engine). Off: vLLM's engine loop drives
+    # transfers (it steps while a request sends or receives KV, sleeps when idle).
     progress_thread: bool = False
     # Dedicated UCX worker threads per engine (vLLM's default: 4). Each busy-polls while a
     # transfer of >= 1024 descriptors is in flight; 0 runs transfers on the engine thread.

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 from vllm.v1.outputs import KVConnectorOutput
 
+from actors.protocol import ChildCounters, StatsPayload, parse_stats
 from connectors.registry import (
     ConnectorError,
     child_configs,
@@ -77,49 +78,6 @@ if TYPE_CHECKING:
 register_in_vllm()
 
 
-class ChildCounters(msgspec.Struct):
-    """Counters of one child since the last stats report. Role that fills each field:
-
-    scheduler: hits, tokens_loaded, load_failures, fallbacks, recomputes;
-    worker: load_error_blocks; whichever role the child reports them from: bytes_loaded,
-    bytes_saved, tokens_saved (vLLM's OffloadingConnector reports bytes from the scheduler,
-    NixlConnector from the worker).
-    """
-
-    hits: int = 0  # requests whose external tokens this child was chosen to load
-    tokens_loaded: int = 0  # tokens this child was chosen to load (as allocated by vLLM)
-    tokens_saved: int = 0  # tokens the child reports saving ("tokens_saved" stats key)
-    bytes_loaded: int = 0  # bytes the child reports loading
-    bytes_saved: int = 0  # bytes the child reports saving
-    load_failures: int = 0  # requests whose load from this child failed
-    load_error_blocks: int = 0  # block ids this child reported with load errors
-    fallbacks: int = 0  # re-queries after this child failed that another child served
-    recomputes: int = 0  # re-queries after this child failed that no child could serve
-
-    def is_zero(self) -> bool:
-        return not any(msgspec.structs.astuple(self))
-
-    def add(self, other: ChildCounters) -> None:
-        for field in self.__struct_fields__:
-            setattr(self, field, getattr(self, field) + getattr(other, field))
-
-
-class StatsPayload(msgspec.Struct):
-    """The documented shape of ``TandemMultiStats.data``: ``{"children": {name: counters}}``.
-
-    A child's name is its ``kv_connector``, suffixed ``#<position>`` when the same name
-    appears twice. Readers (Tandem's engine actor, stat loggers) decode with
-    ``parse_stats``.
-    """
-
-    children: dict[str, ChildCounters] = {}
-    # Raw transfer records of children whose stats have NixlKVConnectorStats' shape (lists
-    # per key: transfer_duration, bytes_transferred, num_failed_transfers, ...), by child
-    # name, so the engine still folds NIXL transfers into EngineStats.transfers (count,
-    # bytes, seconds, max, histogram) when NixlConnector runs as a child.
-    transfers: dict[str, dict[str, list[Any]]] = {}
-
-
 def _extend_transfers(into: dict[str, dict[str, list[Any]]], name: str, data: Mapping[str, Any]) -> None:
     mine = into.setdefault(name, {})
     for key, values in data.items():
@@ -129,11 +87,6 @@ def _extend_transfers(into: dict[str, dict[str, list[Any]]], name: str, data: Ma
 
 def _has_transfers(data: Mapping[str, Any]) -> bool:
     return any(isinstance(v, list) and v for v in data.values())
-
-
-def parse_stats(data: Mapping[str, Any]) -> StatsPayload:
-    """Decode the dict that vLLM's SchedulerStats.kv_connector_stats carries for this connector."""
-    return msgspec.convert(data, StatsPayload)
 
 
 @dataclass

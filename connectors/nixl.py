@@ -7,7 +7,8 @@ progress thread that polls without sleeping (about one core per engine, idle or 
 four dedicated UCX threads that busy-poll while a large transfer is in flight. On a CPU
 host those threads take the cores the engines' forward passes run on: with two engines on
 two cores, decode slowed ~10x and some KV pulls stalled for seconds. Neither setting can be
-reached from vLLM's config, so this connector builds the agent itself from
+reached from vLLM's config, so this connector builds the agent itself
+(``actors.nixl_agent.make_nixl_agent``, which also gives a progress thread a sleep) from
 ``kv_connector_extra_config["tandem_nixl"]`` (Tandem's ``kv_transfer.nixl``, see
 :class:`connectors.config.NixlConfig`). By default: no progress thread (vLLM's engine
 loop polls NIXL every step while a request sends or receives KV and sleeps when idle, so
@@ -27,12 +28,12 @@ Everything else is vLLM's pull-mode (READ) NixlConnector, unchanged. Engines loa
 
 from __future__ import annotations
 
-import importlib
 import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from vllm.distributed import nixl_utils
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
@@ -47,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 from vllm.logger import init_logger
 
+from actors.nixl_agent import make_nixl_agent
 from connectors.config import NixlConfig
 
 if TYPE_CHECKING:
@@ -62,39 +64,6 @@ EXTRA_CONFIG_KEY = "tandem_nixl"
 def settings_from_extra_config(extra: dict[str, Any] | None) -> NixlConfig:
     """The NixlConfig an engine was given (defaults when the key is absent)."""
     return msgspec.convert((extra or {}).get(EXTRA_CONFIG_KEY, {}), NixlConfig)
-
-
-def agent_config_kwargs(settings: NixlConfig, backends: list[str]) -> dict[str, Any]:
-    """Keyword arguments of ``nixl_agent_config`` for these settings (sync mode as a name).
-
-    ``num_threads`` only applies to the UCX backend's thread pool; other backends keep
-    NIXL's defaults, as vLLM does.
-    """
-    kwargs: dict[str, Any] = {
-        "enable_prog_thread": settings.progress_thread,
-        "capture_telemetry": True,
-        "backends": list(backends),
-        "sync_mode": settings.sync_mode,
-    }
-    if backends == ["UCX"]:
-        kwargs["num_threads"] = settings.num_threads
-    return kwargs
-
-
-def build_agent(settings: NixlConfig, backends: list[str]) -> Any:
-    """A NIXL agent (the class vLLM's worker uses, for the platform's NIXL build) with these settings."""
-    from vllm.distributed import nixl_utils
-
-    wrapper_cls = nixl_utils.NixlWrapper
-    if wrapper_cls is None:
-        raise RuntimeError("NIXL is not available in this process; install nixl on every engine node")
-    api = importlib.import_module(wrapper_cls.__module__)
-    kwargs = agent_config_kwargs(settings, backends)
-    kwargs["sync_mode"] = {
-        "strict": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        "rw": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-    }[kwargs["sync_mode"]]
-    return wrapper_cls(str(uuid.uuid4()), nixl_utils.nixl_agent_config(**kwargs))
 
 
 class TandemNixlStats(NixlKVConnectorStats):
@@ -137,7 +106,12 @@ class TandemNixlWorker(NixlPullConnectorWorker):
         settings = settings_from_extra_config(extra)
         # vLLM's agent has no memory registered and no peers yet (both happen later), so
         # replacing it here is safe; dropping it stops its busy progress thread.
-        self.nixl_wrapper = build_agent(settings, list(self.nixl_backends))
+        if nixl_utils.NixlWrapper is None:
+            raise RuntimeError("NIXL is not available in this process; install nixl on every engine node")
+        self.nixl_wrapper = make_nixl_agent(
+            str(uuid.uuid4()), settings.progress_thread, list(self.nixl_backends), settings.num_threads,
+            settings.sync_mode, capture_telemetry=True, api_module=nixl_utils.NixlWrapper.__module__,
+        )
         self.xfer_stats = TandemNixlStats()
         logger.info(
             "Tandem NIXL agent for engine %s: progress_thread=%s num_threads=%d sync_mode=%s",

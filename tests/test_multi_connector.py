@@ -42,7 +42,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from connectors.multi import ChildCounters, TandemMultiConnector, TandemMultiStats, parse_stats
+from actors.protocol import ChildCounters, parse_stats
+from connectors.multi import TandemMultiConnector, TandemMultiStats
 from connectors.registry import ConnectorError
 
 HERE = __name__

@@ -22,9 +22,9 @@ from connectors.nixl import (
     EXTRA_CONFIG_KEY,
     TandemNixlStats,
     TandemNixlWorker,
-    agent_config_kwargs,
     settings_from_extra_config,
 )
+from actors.nixl_agent import agent_config_kwargs, make_nixl_agent
 from orchestrator.cluster import WORKER_NICENESS
 from connectors.config import NixlConfig
 from orchestrator.config import ConfigError, parse_config
@@ -47,21 +47,44 @@ def pd_connector(kv: dict[str, Any] | None) -> dict[str, Any] | None:
 # --- agent settings ---------------------------------------------------------------------
 
 
-def test_default_agent_has_no_progress_thread_no_ucx_threads_and_a_strict_lock() -> None:
-    kwargs = agent_config_kwargs(NixlConfig(), ["UCX"])
-    assert kwargs == {
+def test_agent_settings_reach_nixls_config() -> None:
+    assert agent_config_kwargs(False, ["UCX"]) == {
         "enable_prog_thread": False,
-        "capture_telemetry": True,
+        "capture_telemetry": False,
         "backends": ["UCX"],
-        "sync_mode": "strict",
+        "sync_mode": "none",
         "num_threads": 0,
     }
+    # num_threads only reaches the UCX backend.
+    assert agent_config_kwargs(True, ["UCX"], num_threads=2, sync_mode="rw")["num_threads"] == 2
+    assert "num_threads" not in agent_config_kwargs(True, ["UCX", "GDS"], num_threads=2)
 
 
-def test_num_threads_only_reaches_the_ucx_backend() -> None:
-    settings = NixlConfig(num_threads=2, progress_thread=True, sync_mode="rw")
-    assert agent_config_kwargs(settings, ["UCX"])["num_threads"] == 2
-    assert "num_threads" not in agent_config_kwargs(settings, ["UCX", "GDS"])
+def test_a_progress_thread_sleeps_between_polls_and_no_other_agent_is_touched() -> None:
+    """Real NIXL agents: the one with a progress thread is built through a binding that sets
+    its poll delay (NIXL's API would busy-poll a core), and the API's own class and binding
+    are left as they were."""
+    import sys
+    import time
+
+    import numpy as np
+    from nixl._api import nixl_agent
+
+    binding = sys.modules[nixl_agent.__module__].nixlBind
+    before = (nixl_agent.__init__, binding.nixlAgent)
+    threaded = make_nixl_agent("tandem-test-threaded", progress_thread=True)
+    plain = make_nixl_agent("tandem-test-plain", progress_thread=False, sync_mode="strict")
+    assert isinstance(threaded, nixl_agent) and type(plain) is nixl_agent
+    assert (nixl_agent.__init__, binding.nixlAgent) == before
+    # Working agents: one serves registered memory, the other learns of it.
+    pool = np.zeros(1 << 16, dtype=np.uint8)
+    threaded.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
+    assert plain.add_remote_agent(threaded.get_agent_metadata()) in ("tandem-test-threaded", b"tandem-test-threaded")
+    # The progress thread sleeps: this process stays far from a busy core while idle.
+    t0, c0 = time.monotonic(), time.process_time()
+    time.sleep(1.0)
+    share = (time.process_time() - c0) / (time.monotonic() - t0)
+    assert share < 0.5, f"the process used {share:.0%} of a core while idle: a progress thread busy-polls"
 
 
 def test_settings_come_from_the_extra_config_key_or_default() -> None:
@@ -231,9 +254,9 @@ def test_a_slow_transfer_is_counted_and_logged_with_engine_request_bytes_and_tim
 
 def test_slow_transfers_inside_a_multi_connector_payload_are_counted() -> None:
     stats = EngineStats(engine_id="decode-0", role="decode")
-    child = {"data": {"transfer_duration": [3.0], "bytes_transferred": [1]}}
-    _observe_connector_stats(stats, {"NixlConnector": child}, slow_s=2.0)
-    assert stats.transfers.num_slow == 1
+    payload = {"children": {}, "transfers": {"TandemNixlConnector": {"transfer_duration": [3.0], "bytes_transferred": [1]}}}
+    _observe_connector_stats(stats, payload, slow_s=2.0)
+    assert stats.transfers.num_slow == 1 and stats.transfers.bytes == 1
 
 
 def test_metrics_page_shows_the_slow_transfer_count() -> None:
