@@ -29,8 +29,8 @@ The pieces, one concern per module:
 - `report` (imports matplotlib, so not re-exported here): `save_json` / `load_json` of a
   `RunResult`, `markdown_table(results, per_request=())`, `plot_latency_vs_load(runs, path,
   x="rate")`, `plot_goodput(runs, path)`, `plot_phase_breakdown({scenario: {phase: seconds}},
-  path)` and `write_report(runs, out_dir, x="rate", per_request=())`, where `runs` maps a
-  scenario's name to the `RunResult`s of its sweep.
+  path)`, where `runs` maps a scenario's name to the `RunResult`s of its sweep; and
+  `write_bench_report(report, out_dir)`, every file `tandem bench` leaves.
 
 Typical use from a scenario script::
 

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from benchmarks.ballast import ballast
-from benchmarks.bench_report import write_bench_report
+from benchmarks.report import write_bench_report
 from benchmarks.direct import run_direct
 from benchmarks.faults import FaultPlan, FaultReport, run_fault
 from benchmarks.loadgen import RunResult, run_load, run_sweep, scrape_metrics

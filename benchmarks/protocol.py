@@ -1,5 +1,5 @@
 """What `tandem bench` was asked and what it found: the structs bench.json holds, shared by
-the runner (benchmarks.bench) and the report writer (benchmarks.bench_report)."""
+the runner (benchmarks.bench) and the report writer (benchmarks.report)."""
 
 from __future__ import annotations
 

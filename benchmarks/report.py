@@ -1,4 +1,11 @@
-"""Run results as files people read: JSON per run, a markdown table, PNG plots.
+"""What `tandem bench` leaves behind, and the tables and plots it is made of: a JSON per run,
+results.md, summary.md, bench.json and PNG plots.
+
+summary.md is what people read (and what the command prints): the results table, where TTFT
+goes, what the HTTP path adds over calling the engines directly, KV transfer efficiency
+against raw NIXL, Tandem's colocated engine against a plain vLLM server when both ran, the
+routing policies side by side, and the fault scenarios' detection, recovery, lost requests
+and TTFT around the kill.
 
 Plots are drawn on bare `matplotlib.figure.Figure` objects rather than through pyplot, so
 writing them needs no display and changes no global backend of the calling program.
@@ -14,7 +21,25 @@ from typing import Literal
 import msgspec
 from matplotlib.figure import Figure
 
+from benchmarks.faults import FAULT_COUNTERS, GOAL_DETECT_S, GOAL_LOST, GOAL_RECOVER_S, FaultReport, WindowName
 from benchmarks.loadgen import RunResult
+from benchmarks.nixl_micro import markdown as micro_markdown
+from benchmarks.phases import (
+    CACHE_HIT_TOKENS,
+    COMPUTED_TOKENS,
+    HEADLINE_METRICS,
+    KV_BYTES,
+    KV_SECONDS,
+    KV_SLOW,
+    KV_TRANSFERS,
+    LOCAL_PREFILLS,
+    PER_REQUEST_METRICS,
+    TIER_TOKENS,
+    engine_first_token_ms,
+    engine_tpot_ms,
+)
+from benchmarks.protocol import BenchReport, ScenarioReport
+from benchmarks.server_cpu import ServerCpu
 from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, goodput_from_sweep
 
 SweepAxis = Literal["rate", "concurrency"]
@@ -271,28 +296,299 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "run"
 
 
-def write_report(
-    runs: Mapping[str, Sequence[RunResult]],
-    out_dir: str | Path,
-    x: SweepAxis = "rate",
-    per_request: Collection[str] = (),
-) -> list[Path]:
-    """Everything for a set of sweeps: a JSON per run, `results.md`, and the plots.
+# ---- tandem bench's summary ----
 
-    `runs` maps a scenario's name to the runs of its sweep; the goodput plot is drawn only for
-    rate sweeps whose runs had an SLO. Returns the files written.
+# Tandem's colocated engine and a plain vLLM server should agree within this (issue 4).
+AGREEMENT = 0.20
+
+
+def _headline(run: RunResult) -> RunResult:
+    """The run with only the server metrics the results table shows."""
+    metrics = {k: v for k, v in run.summary.server_metrics.items() if k in HEADLINE_METRICS}
+    return msgspec.structs.replace(run, summary=msgspec.structs.replace(run.summary, server_metrics=metrics))
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def _signed_ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:+.1f}"
+
+
+def phase_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """Phases as rows, one column per scenario and path, plus their sum."""
+    columns = {name: phases for s in scenarios for name, phases in s.phases_ms.items()}
+    if not columns:
+        return ""
+    names = list(dict.fromkeys(p for phases in columns.values() for p in phases))
+    lines = ["| Phase (mean ms) | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    for phase in names:
+        lines.append(f"| {phase} | " + " | ".join(_ms(c.get(phase)) for c in columns.values()) + " |")
+    lines.append("| **= mean TTFT** | " + " | ".join(_ms(sum(c.values())) for c in columns.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def overhead_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """HTTP path vs direct path per scenario and rate: TTFT, TPOT, end-to-end, and the difference."""
+    rows = [(s, o) for s in scenarios for o in s.overhead]
+    if not rows:
+        return ""
+    lines = [
+        "| Scenario | Rate (req/s) | TTFT mean HTTP / direct (ms) | added | TTFT p50 HTTP / direct | added | TPOT p50 HTTP / direct | added | E2E p50 HTTP / direct | added |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s, o in rows:
+        cells = [s.scenario.name, f"{o.rate:g}"]
+        for f in ("ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
+            cells += [f"{_ms(getattr(o.http, f))} / {_ms(getattr(o.direct, f))}", _ms(o.added_ms(f))]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Split by phase (mean ms per request):", "", "| Scenario | Rate (req/s) | Phase | HTTP | direct | added by HTTP path |",
+              "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for s, o in rows:
+        lines += [f"| {s.scenario.name} | {o.rate:g} | {phase} | {_ms(h)} | {_ms(d)} | {_ms(a)} |" for phase, h, d, a in o.phase_rows()]
+    return "\n".join(lines) + "\n"
+
+
+def transfer_table(report: BenchReport) -> str:
+    """Raw NIXL READs of the model's block shapes, then what each disaggregated scenario achieved."""
+    out = micro_markdown(report.micro) if report.micro else ""
+    raw = next((m for m in report.micro if m.label.endswith("prompt")), None)
+    lines = [
+        "| Scenario | KV transfers | Bytes / transfer | ms / transfer | GiB/s | of raw NIXL (same size) | slowest (ms, from start-up) | slower than kv_transfer.slow_transfer_s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in report.scenarios:
+        n = s.kv_total(KV_TRANSFERS)
+        if not n:
+            continue
+        rate = s.kv_gib_s
+        share = f"{100 * rate / raw.gib_per_s:.1f}%" if rate and raw and raw.gib_per_s else "—"
+        slowest = _ms(None if s.kv_max_s is None else 1000 * s.kv_max_s)
+        lines.append(
+            f"| {s.scenario.name} | {n:.0f} | {s.kv_total(KV_BYTES) / n:,.0f} | {1000 * s.kv_total(KV_SECONDS) / n:.2f} | "
+            f"{_ms(rate) if rate is None else f'{rate:.3f}'} | {share} | {slowest} | {s.kv_total(KV_SLOW):.0f} |"
+        )
+    if len(lines) > 2:
+        out += "\nTandem serving (decode engines' NIXL timing, from /metrics):\n\n" + "\n".join(lines) + "\n"
+    return out
+
+
+def _cpu(cpu: ServerCpu | None) -> str:
+    return "—" if cpu is None else f"{cpu.engine:.2f} / {cpu.other:.2f}"
+
+
+def _stolen(run: RunResult | None) -> str:
+    return "—" if run is None or run.host_cpu is None else f"{100 * run.host_cpu.steal:.1f}%"
+
+
+def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
+    """Tandem colocated:1 against a plain vLLM server, rate by rate (empty unless both ran).
+
+    Where the direct-to-engine runs were made (every rate, unless --no-overhead), the difference
+    is split into what Tandem's HTTP path adds (HTTP minus direct) and what is left on the engine side
+    (direct minus vLLM), so a gap beyond 20% comes with its measured cause. The CPU-matched
+    column is the vLLM server beside a ballast of the extra CPU Tandem's stack took: where the
+    engine side is within 20% of it, that CPU explains the engine side. Two rows per rate
+    compare vLLM's own time to first token and TPOT, timed by the engine core, in both servers;
+    the last two show the CPU each server's processes used and the host's stolen time.
     """
-    out = Path(out_dir)
-    written = []
-    for scenario, sweep in runs.items():
-        for k, run in enumerate(sweep):
-            value = getattr(run.config, x)
-            name = f"{_slug(scenario)}-{k:02d}-{x}-{'max' if value is None else f'{value:g}'}"
-            written.append(save_json(run, out / f"{name}.json"))
-    table = out / "results.md"
-    table.write_text(markdown_table([r for sweep in runs.values() for r in sweep], per_request))
-    written.append(table)
-    written.append(plot_latency_vs_load(runs, out / "latency.png", x))
-    if x == "rate" and any(r.summary.slo for sweep in runs.values() for r in sweep):
-        written.append(plot_goodput(runs, out / "goodput.png"))
-    return written
+    by_name = {s.scenario.name: s for s in scenarios}
+    tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
+    if tandem is None or plain is None:
+        return ""
+    lines = [
+        "| Rate (req/s) | Metric (p50, ms) | vLLM server | Tandem colocated:1 | Tandem − vLLM | Tandem direct to the engine actor | of which HTTP path "
+        "| of which engine side | vLLM server beside Tandem's extra CPU | Verdict |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for t, v in zip(tandem.runs, plain.runs):
+        rate = t.config.rate
+        o = tandem.overhead_at(rate)
+        d = next((r for r in tandem.direct if r.config.rate == rate), None)
+        m = next((c for c in plain.cpu_matched if c.run.config.rate == rate), None)
+        for label, field, direct_field in (("TTFT", "ttft_ms", "ttft_p50_ms"), ("TPOT", "tpot_ms", "tpot_p50_ms")):
+            a, b = getattr(v.summary, field).p50, getattr(t.summary, field).p50
+            if a is None or b is None:
+                continue
+            diff = b - a
+            direct = getattr(o.direct, direct_field) if o is not None else None
+            matched = getattr(m.run.summary, field).p50 if m is not None else None
+            http_part = None if direct is None else b - direct
+            engine_part = None if direct is None else direct - a
+            if abs(diff) <= AGREEMENT * a:
+                verdict = f"within {100 * AGREEMENT:.0f}%"
+            elif engine_part is not None and abs(engine_part) <= AGREEMENT * a:
+                verdict = f"{100 * diff / a:+.0f}%; without Tandem's HTTP path within {100 * AGREEMENT:.0f}% ({100 * engine_part / a:+.0f}%)"
+            elif engine_part is not None and matched is not None and abs(direct - matched) <= AGREEMENT * a:
+                verdict = (f"{100 * diff / a:+.0f}%: HTTP path {http_part:+.1f} ms, engine side {100 * engine_part / a:+.0f}%, as much as Tandem's extra "
+                           f"{m.ballast_cores:.2f} core costs vLLM's own server ({100 * (matched - a) / a:+.0f}%; Tandem direct within {100 * AGREEMENT:.0f}% of it)")
+            elif engine_part is not None:
+                verdict = f"{100 * diff / a:+.0f}%: HTTP path {http_part:+.1f} ms, engine side {100 * engine_part / a:+.0f}%"
+                if matched is not None:
+                    verdict += f"; Tandem's extra {m.ballast_cores:.2f} core costs vLLM's own server {100 * (matched - a) / a:+.0f}%"
+            else:
+                verdict = f"{100 * diff / a:+.0f}% (no direct run at this rate)"
+            lines.append(
+                f"| {rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
+                f"{_signed_ms(http_part)} | {_signed_ms(engine_part)} | {_ms(matched)} | {verdict} |"
+            )
+        for label, engine_ms in (
+            ("engine time to first token (mean; vLLM's engine-core timing: queue + prefill)", engine_first_token_ms),
+            ("engine TPOT (mean; vLLM's engine-core timing, no relay)", engine_tpot_ms),
+        ):
+            a, b = engine_ms(v.summary.server_metrics), engine_ms(t.summary.server_metrics)
+            if a is None or b is None:
+                continue
+            direct = engine_ms(d.summary.server_metrics) if d is not None else None
+            matched = engine_ms(m.run.summary.server_metrics) if m is not None else None
+            lines.append(
+                f"| {rate:g} | {label} | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
+                f"{_ms(direct)} | | | {_ms(matched)} | {100 * (b - a) / a:+.0f}% in the engine itself |"
+            )
+        if t.server_cpu is not None and v.server_cpu is not None:
+            note = "ballast: Tandem direct's rest − vLLM server's rest" if m is not None else "no CPU-matched run"
+            lines.append(
+                f"| {rate:g} | CPU of the server's processes, cores: vLLM engine / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
+                f"{t.server_cpu.other - v.server_cpu.other:+.2f} rest | {_cpu(d.server_cpu if d else None)} | | | "
+                f"{_cpu(m.run.server_cpu if m else None)} | {note} |"
+            )
+        if t.host_cpu is not None and v.host_cpu is not None:
+            lines.append(
+                f"| {rate:g} | host CPU time stolen by the hypervisor | {_stolen(v)} | {_stolen(t)} | | {_stolen(d)} | | | {_stolen(m.run if m else None)} | "
+                "time stolen slows a run's server, whichever it is |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+_WINDOWS: tuple[tuple[WindowName, str], ...] = (
+    ("before", "answered before the kill"), ("during", "during the fault (answered after the kill, sent before recovery)"), ("after", "sent after recovery"))
+
+
+def _seconds_against(value: float | None, goal: float) -> str:
+    return "not seen ✗" if value is None else f"{value:.2f} {'✓' if value < goal else '✗'}"
+
+
+def _fmt_counter(value: float | None) -> str:
+    return "— (not on /metrics)" if value is None else f"{value:.0f}"
+
+
+def routing_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """Routing policies side by side (first rate of each scenario run with a policy): latency,
+    goodput, and where prompt tokens came from (engine prefix caches, the CPU tier)."""
+    rows = []
+    for s in scenarios:
+        if s.scenario.policy is None or not s.runs:
+            continue
+        run = s.runs[0].summary
+        m, prompt = run.server_metrics, run.total_input_tokens or 0
+
+        def share(name: str) -> str:
+            return f"{100 * m[name] / prompt:.0f}%" if prompt and name in m else "n/a"
+
+        rows.append(f"| {s.scenario.name} | {_ms(run.ttft_ms.p50)} | {_ms(run.ttft_ms.p99)} | {_ms(run.tpot_ms.p50)} "
+                    f"| {share(CACHE_HIT_TOKENS)} | {share(TIER_TOKENS)} | {share(COMPUTED_TOKENS)} "
+                    f"| {int(m.get(LOCAL_PREFILLS, 0))} | {run.goodput or 0:.2f} | {run.num_completed}/{run.num_requests} |")
+    if not rows:
+        return ""
+    head = ("| scenario | TTFT p50 | TTFT p99 | TPOT p50 | prefix-cache hits | CPU-tier hits | computed "
+            "| local prefills | goodput (req/s) | completed |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    return head + "\n".join(rows) + "\n\nToken shares are of the prompt tokens clients sent (an engine's hit on a remote prefill "
+    "and the decode engine's own hit may both count).\n"
+
+
+def fault_table(faults: Sequence[FaultReport]) -> str:
+    """One column per fault scenario, each figure beside its goal (✓ met, ✗ missed); then the
+    errors of the requests lost."""
+    if not faults:
+        return ""
+    rows: list[tuple[str, str, list[str]]] = [
+        ("engine killed (SIGKILL)", "", [f"{f.victim}, pid {f.pid}, {f.kill_s:.1f} s into the load" for f in faults]),
+        ("time to detect (s): kill to out of routing", f"< {GOAL_DETECT_S:g}", [_seconds_against(f.detect_s, GOAL_DETECT_S) for f in faults]),
+        ("time to recover (s): kill to healthy again, restart counted", f"< {GOAL_RECOVER_S:g}", [_seconds_against(f.recover_s, GOAL_RECOVER_S) for f in faults]),
+        ("requests lost", str(GOAL_LOST), [f"{f.num_lost} of {f.run.summary.num_requests} {'✓' if f.num_lost <= GOAL_LOST else '✗'}" for f in faults]),
+    ]
+    for name, words in _WINDOWS:
+        cells = []
+        for f in faults:
+            w = f.window(name)
+            failed = f", {w.num_failed} failed" if w.num_failed else ""
+            cells.append(f"{_ms(w.ttft_ms.p50)} / {_ms(w.ttft_ms.p99)} (n={w.num_requests}{failed})")
+        rows.append((f"TTFT p50 / p99 (ms), requests {words}", "", cells))
+    rows += [(f"{name} over the run", "", [_fmt_counter(f.counter(name)) for f in faults]) for name in FAULT_COUNTERS]
+    rows.append(("victim's state (s from the kill)", "", [", ".join(f"{s.state}{f' (pid {s.pid})' if s.pid else ''} {s.t - f.kill_s:+.2f}" for s in f.timeline) for f in faults]))
+    rows.append(("status answers / longest gap between two (s)", "", [f"{f.num_samples} / {f.max_gap_s:.2f}" for f in faults]))
+    lines = ["| | Goal | " + " | ".join(f.scenario.name for f in faults) + " |", "| --- | --- |" + " --- |" * len(faults)]
+    lines += [f"| {label} | {goal} | " + " | ".join(cells) + " |" for label, goal, cells in rows]
+    lost = [f"- {f.scenario.name}: {n} × `{error}`" for f in faults for error, n in f.run.summary.errors.items()]
+    if lost:
+        lines += ["", "Requests lost, by error:", "", *lost]
+    plots = ", ".join(f"[{_slug(f.scenario.name)}.png]({_slug(f.scenario.name)}.png)" for f in faults)
+    return "\n".join(lines) + f"\n\nEach request's TTFT against its send time, with the kill, detection and recovery: {plots}.\n"
+
+
+def summary_markdown(report: BenchReport) -> str:
+    o = report.options
+    runs = [r for s in report.scenarios for r in s.runs]
+    env = next((r.environment for r in [*runs, *(f.run for f in report.faults)]), None)
+    parts = [
+        "# Tandem bench\n",
+        f"Command: `{report.command}`  ",
+        (f"Workload: random prompts of {o.input_len} tokens, {o.output_len} output tokens (ignore_eos), Poisson arrivals at "
+         if o.workload == "random" else
+         f"Workload: {o.turns}-turn chats after one shared {o.input_len}-token system prompt, each turn resending the history "
+         f"with a 32-96-token user message, {o.output_len} output tokens (ignore_eos), Poisson arrivals at ")
+        + f"{', '.join(f'{r:g}' for r in o.rates)} req/s, {o.num_requests} measured requests per rate after {o.warmup} warm-up, seed {o.seed}; "
+        f"SLO TTFT ≤ {o.slo_ttft_ms:g} ms and TPOT ≤ {o.slo_tpot_ms:g} ms.  ",
+    ]
+    if env:
+        parts.append(f"Machine: {env.cpu_count} CPUs, {env.platform}, Python {env.python}; {', '.join(f'{k} {v}' for k, v in env.versions.items())}.  ")
+    parts.append(f"Whole run: {report.elapsed_s / 60:.1f} min; start-up per scenario: "
+                 + ", ".join(f"{s.scenario.name} {s.startup_s:.0f} s" for s in [*report.scenarios, *report.faults]) + ".\n")
+    if runs:
+        parts += ["## Serving over HTTP (latencies p50 / p99)\n", markdown_table([_headline(r) for r in runs], PER_REQUEST_METRICS)]
+    sections = (
+        (f"## Where TTFT goes (rate {o.rates[0]:g} req/s; HTTP = through Tandem's endpoint, direct = router in the bench process)\n", phase_table(report.scenarios)),
+        ("## Orchestration overhead: Tandem's HTTP path over calling the engine actors directly\n", overhead_table(report.scenarios)),
+        ("## KV transfer efficiency\n", transfer_table(report)),
+        ("## Tandem colocated vs a plain vLLM server\n", vllm_comparison(report.scenarios)),
+        (_fault_heading(report), fault_table(report.faults)),
+        (f"## Routing policies (rate {o.rates[0]:g} req/s)\n", routing_table(report.scenarios)),
+    )
+    parts += [part for heading, table in sections if table for part in (heading, table)]
+    return "\n".join(parts)
+
+
+def _fault_heading(report: BenchReport) -> str:
+    o = report.options
+    return (f"## Faults: one engine SIGKILLed {o.fault_after_s:g} s into a load at {o.rates[-1]:g} req/s (until {o.fault_tail_s:g} s "
+            f"after recovery, {o.fault_window_s:g} s after the kill at most)\n")
+
+
+def write_bench_report(report: BenchReport, out: Path) -> Path:
+    """Write every file; returns the path of summary.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    sweeps = {s.scenario.name: s.runs for s in report.scenarios}
+    for s in report.scenarios:
+        for k, run in enumerate(s.runs):
+            save_json(run, out / f"{_slug(s.scenario.name)}-{k:02d}-rate-{run.config.rate:g}.json")
+        for k, run in enumerate(s.direct):
+            save_json(run, out / f"{_slug(s.scenario.name)}-direct-{k:02d}-rate-{run.config.rate:g}.json")
+        for k, matched in enumerate(s.cpu_matched):
+            save_json(matched.run, out / f"{_slug(s.scenario.name)}-cpu-matched-{k:02d}-rate-{matched.run.config.rate:g}.json")
+    if sweeps:
+        (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
+        plot_latency_vs_load(sweeps, out / "latency.png")
+        plot_goodput(sweeps, out / "goodput.png")
+    for f in report.faults:
+        name = _slug(f.scenario.name)
+        (out / f"{name}.json").write_bytes(msgspec.json.format(msgspec.json.encode(f), indent=2))
+        events = {"SIGKILL": f.kill_s, "out of routing": f.detected_at, "healthy again": f.recovered_at}
+        plot_ttft_timeline(f.run, events, out / f"{name}.png", f"{f.scenario.name}: {f.victim} SIGKILLed under load at {f.run.config.rate:g} req/s")
+    phases = {name: {p: max(0.0, ms) / 1000 for p, ms in v.items()} for s in report.scenarios for name, v in s.phases_ms.items()}
+    if phases:
+        plot_phase_breakdown(phases, out / "phases.png", title="Where time to first token goes (mean per request)")
+    (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
+    summary = out / "summary.md"
+    summary.write_text(summary_markdown(report))
+    return summary

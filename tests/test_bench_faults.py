@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.bench import add_arguments, checked_scenarios, options_from_args
 from benchmarks.protocol import BenchOptions, BenchReport
-from benchmarks.bench_report import fault_table, write_bench_report
+from benchmarks.report import fault_table, write_bench_report
 from benchmarks.faults import FaultPlan, FaultReport, StatusSample, changes, detection, fault_windows, first_replica, max_gap, window_of
 from benchmarks.loadgen import RunConfig, RunResult, environment
 from benchmarks.scenarios import parse_scenario, scenario_config

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.bench import add_arguments, options_from_args, scenario_names
 from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
-from benchmarks.bench_report import overhead_table, phase_table, transfer_table, vllm_comparison
+from benchmarks.report import overhead_table, phase_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import HostCpu, RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
 from benchmarks.phases import (
@@ -398,7 +398,7 @@ def test_the_phase_table_has_one_column_per_scenario_and_path_and_a_total() -> N
 @pytest.mark.engines
 def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_consistent_figures(ray_local, tiny_model, tmp_path) -> None:
     from benchmarks.bench import run_bench
-    from benchmarks.bench_report import write_bench_report
+    from benchmarks.report import write_bench_report
 
     # The vLLM server comes after a Tandem scenario, whose Serve proxy still holds its port.
     opts = BenchOptions(scenarios="colocated:1,vllm-server", rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8, duration_s=30.0, request_timeout_s=60.0)

@@ -261,23 +261,24 @@ def test_markdown_table_shows_how_busy_the_host_was() -> None:
     assert cells["Host CPU busy / stolen"] == "50% / 10.0%"
 
 
-def test_write_report_writes_json_table_and_plots(tmp_path) -> None:
-    from benchmarks.report import load_json, plot_phase_breakdown, write_report
+def test_runs_round_trip_through_json_and_plot_to_png(tmp_path) -> None:
+    from benchmarks.report import load_json, markdown_table, plot_goodput, plot_latency_vs_load, plot_phase_breakdown, save_json
 
     runs = {
         "colocated": [_run("colocated", r, _two_requests(), {}) for r in (1.0, 2.0)],
         "1P1D": [_run("1P1D", r, _two_requests(), {}) for r in (1.0, 2.0)],
     }
-    written = write_report(runs, tmp_path)
-    jsons = [f"{s}-{k:02d}-rate-{k + 1}.json" for s in ("colocated", "1P1D") for k in (0, 1)]
-    expected = [*jsons, "results.md", "latency.png", "goodput.png"]
-    assert sorted(p.name for p in written) == sorted(expected)
-    assert load_json(tmp_path / "1P1D-01-rate-2.json") == runs["1P1D"][1]
+    save_json(runs["1P1D"][1], tmp_path / "1P1D.json")
+    assert load_json(tmp_path / "1P1D.json") == runs["1P1D"][1]
+    assert len(markdown_table([r for sweep in runs.values() for r in sweep]).splitlines()) == 2 + 4
     phases = {
         "colocated": {"prefill": 0.2, "decode": 1.0},
         "1P1D": {"prefill": 0.1, "transfer": 0.01, "decode": 0.9},
     }
-    written.append(plot_phase_breakdown(phases, tmp_path / "phases.png"))
+    written = [
+        plot_latency_vs_load(runs, tmp_path / "latency.png"),
+        plot_goodput(runs, tmp_path / "goodput.png"),
+        plot_phase_breakdown(phases, tmp_path / "phases.png"),
+    ]
     for path in written:
-        if path.suffix == ".png":
-            assert path.read_bytes().startswith(b"\x89PNG")
+        assert path.read_bytes().startswith(b"\x89PNG")
