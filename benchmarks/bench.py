@@ -40,6 +40,7 @@ from benchmarks.phases import (
     Overhead,
     PathFigures,
     metric_names,
+    requests_with_first_token,
     router_phases_from_metrics,
     router_phases_from_traces,
     ttft_phases,
@@ -234,12 +235,14 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
     overhead = []
     for k, run in enumerate(runs):
         s = run.summary
-        http_phases = ttft_phases(router_phases_from_metrics(s.server_metrics), s.server_metrics, disaggregated, (s.ttft_ms.mean or 0.0) / 1000)
+        http_phases = ttft_phases(router_phases_from_metrics(s.server_metrics), s.server_metrics, disaggregated,
+                                  (s.ttft_ms.mean or 0.0) / 1000, requests_with_first_token(s.server_metrics))
         if k == 0:
             phases[f"{scenario.name} HTTP"] = http_phases
         if k < len(direct):
             d, traces = direct[k]
-            direct_phases = ttft_phases(router_phases_from_traces(traces), d.summary.server_metrics, disaggregated)
+            direct_phases = ttft_phases(router_phases_from_traces(traces), d.summary.server_metrics, disaggregated,
+                                        num_requests=sum(t.t_first_token is not None for t in traces))
             if k == 0:
                 phases[f"{scenario.name} direct"] = direct_phases
             overhead.append(Overhead(run.config.rate, PathFigures.of(run, http_phases), PathFigures.of(d, direct_phases)))

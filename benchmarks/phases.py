@@ -2,14 +2,16 @@
 
 Pure arithmetic, so every figure can be checked by hand. Inputs are the growth of Tandem's
 /metrics samples over a run (see `metric_names`) and, for direct-path runs, the router's
-own `RequestTrace`s. Phases are means per request in seconds, in the order they happen, and
-add up to the mean TTFT the client saw:
+own `RequestTrace`s. Phases are means per request in seconds (a request that skipped a phase, such as
+a local prefill's remote one, counts 0), in the order they happen, and add up to the mean
+TTFT the client saw:
 
 - HTTP + ingress: client TTFT minus the router's (Serve proxy, ingress, extra Ray hop);
-- engine queue: vLLM's arrival-to-first-scheduled on the engine that prefills;
+- engine queue: vLLM's arrival-to-first-scheduled on the prefill engines (disaggregated) or
+  the engines (colocated);
 - prefill: the rest of the router's prefill phase (disaggregated), or of its whole TTFT
   (colocated: prefill and the first token are one step);
-- KV transfer: the decode engine's NIXL transfer time per transfer (disaggregated only);
+- KV transfer: the decode engine's NIXL transfer time (disaggregated only);
 - first decode token: decode request sent to first token, minus the KV transfer.
 """
 
@@ -108,18 +110,36 @@ def _engine_mean_ms(deltas: Mapping[str, float], sums: Sequence[str], counts: Se
 
 
 def router_phases_from_metrics(deltas: Mapping[str, float]) -> dict[str, float]:
-    """Mean router phases of the requests served over HTTP during a run."""
-    means = {p: _mean(deltas.get(router_phase(p, "sum")), deltas.get(router_phase(p, "count"))) for p in ROUTER_PHASES}
-    return {p: m for p, m in means.items() if m is not None}
+    """Mean router phases per request served over HTTP during a run (`_per_request`)."""
+    sums = {p: deltas.get(router_phase(p, "sum")) for p in ROUTER_PHASES}
+    counts = {p: deltas.get(router_phase(p, "count")) for p in ROUTER_PHASES}
+    return _per_request(sums, counts)
 
 
 def router_phases_from_traces(traces: Sequence[RequestTrace]) -> dict[str, float]:
-    """Mean of each phase over the traces that reached it."""
-    sums: dict[str, list[float]] = {}
+    """Mean router phases per request of the direct path's traces (`_per_request`)."""
+    sums: dict[str, float | None] = dict.fromkeys(ROUTER_PHASES)
+    counts: dict[str, float | None] = dict.fromkeys(ROUTER_PHASES)
     for trace in traces:
         for phase, seconds in trace.phases().items():
-            sums.setdefault(phase, []).append(seconds)
-    return {p: sum(v) / len(v) for p in ROUTER_PHASES if (v := sums.get(p))}
+            sums[phase] = (sums[phase] or 0.0) + seconds
+            counts[phase] = (counts[phase] or 0) + 1
+    return _per_request(sums, counts)
+
+
+def _per_request(sums: Mapping[str, float | None], counts: Mapping[str, float | None]) -> dict[str, float]:
+    """The phases up to the first token are averaged over every request that got one, a phase
+    a request skipped counting 0 for it (a conditional router's local prefills have no
+    prefill phase), so they add up to the mean TTFT; decode over the requests that had one."""
+    n = counts.get("first_token")
+    out = {p: sums[p] / n for p in ROUTER_PHASES[:3] if sums.get(p) is not None and n}
+    decode = _mean(sums.get("decode"), counts.get("decode"))
+    return out | ({"decode": decode} if decode is not None else {})
+
+
+def requests_with_first_token(deltas: Mapping[str, float]) -> float | None:
+    """Requests the router saw reach their first token during a run (HTTP path)."""
+    return deltas.get(router_phase("first_token", "count"))
 
 
 def kv_transfer_mean(deltas: Mapping[str, float]) -> float | None:
@@ -138,12 +158,17 @@ def ttft_phases(
     deltas: Mapping[str, float],
     disaggregated: bool,
     client_ttft_s: float | None = None,
+    num_requests: float | None = None,
 ) -> dict[str, float]:
     """Split the mean TTFT into phases (module docstring); without `client_ttft_s`, no HTTP phase.
 
-    Missing inputs count as 0, so a scenario without transfers simply has no KV phase.
+    `router`: per-request means (`router_phases_from_*`); `num_requests`: the requests they
+    average over, so that the prefill queue and the KV transfers, which only remotely
+    prefilled requests have, are spread over every request as well (None: every request had
+    them). Missing inputs count as 0, so a scenario without transfers has no KV phase.
     """
-    queue = _mean(*(deltas.get(n) for n in engine_queue("prefill" if disaggregated else "both"))) or 0.0
+    queue_sum, timed = (deltas.get(n) for n in engine_queue("prefill" if disaggregated else "both"))
+    queue = _mean(queue_sum, num_requests or timed) or 0.0
     out: dict[str, float] = {}
     if client_ttft_s is not None:
         out["HTTP + ingress"] = client_ttft_s - sum(router.get(p, 0.0) for p in ROUTER_PHASES[:3])
@@ -151,7 +176,7 @@ def ttft_phases(
     if not disaggregated:
         out["prefill"] = router.get("route", 0.0) + router.get("first_token", 0.0) - queue
         return out
-    kv = kv_transfer_mean(deltas) or 0.0
+    kv = (_mean(deltas.get(KV_SECONDS), num_requests) if num_requests else kv_transfer_mean(deltas)) or 0.0
     out["prefill"] = router.get("prefill", 0.0) - queue
     out["KV transfer"] = kv
     out["first decode token"] = router.get("route", 0.0) + router.get("first_token", 0.0) - kv

@@ -33,6 +33,7 @@ from benchmarks.phases import (
     metric_names,
     kv_rate_gib_s,
     router_phase,
+    requests_with_first_token,
     router_phases_from_metrics,
     router_phases_from_traces,
     ttft_phases,
@@ -166,6 +167,23 @@ def test_disaggregated_phases_add_up_to_the_client_ttft() -> None:
     phases = ttft_phases(router_phases_from_metrics(deltas), deltas, disaggregated=True, client_ttft_s=0.450)
     assert phases == pytest.approx({"HTTP + ingress": 0.050, "engine queue": 0.050, "prefill": 0.250, "KV transfer": 0.030, "first decode token": 0.070})
     assert sum(phases.values()) == pytest.approx(0.450)
+
+
+def test_phases_add_up_when_some_requests_were_prefilled_locally() -> None:
+    """A conditional router prefilled 2 of 4 requests on the decode engine: those have no
+    prefill phase, no prefill-engine queue and no KV transfer, and count 0 for them."""
+    queue, timed = engine_queue("prefill")
+    deltas = {
+        router_phase("prefill", "sum"): 2 * 0.300, router_phase("prefill", "count"): 2,
+        router_phase("route", "sum"): 4 * 0.001, router_phase("route", "count"): 4,
+        router_phase("first_token", "sum"): 2 * 0.099 + 2 * 0.200, router_phase("first_token", "count"): 4,
+        queue: 2 * 0.1, timed: 2, KV_SECONDS: 2 * 0.030, KV_TRANSFERS: 2,
+    }
+    client_ttft = (2 * 0.450 + 2 * 0.250) / 4
+    phases = ttft_phases(router_phases_from_metrics(deltas), deltas, True, client_ttft, requests_with_first_token(deltas))
+    assert phases == pytest.approx({"HTTP + ingress": 0.0495, "engine queue": 0.050, "prefill": 0.100,
+                                    "KV transfer": 0.015, "first decode token": 0.1355})
+    assert sum(phases.values()) == pytest.approx(client_ttft) and min(phases.values()) >= 0
 
 
 def test_colocated_phases_fold_prefill_and_first_token_together() -> None:
