@@ -112,6 +112,7 @@ class Replica:
     retiring: bool = False
     # A router reported a failed call: check now instead of at the next period.
     suspect: str | None = None
+    missed_checks: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -131,6 +132,7 @@ class Replica:
             restarts=self.restarts,
             incarnation=self.info.incarnation if self.info else None,
             last_error=self.last_error,
+            missed_checks=self.missed_checks,
         )
 
 
@@ -448,6 +450,7 @@ class PoolManager:
                 return True
             except asyncio.TimeoutError:
                 late = time.monotonic() - t0 - self.health.timeout_s
+                r.missed_checks += 1
                 if late > LOOP_LAG_S:
                     logger.warning("the pool manager ran %.1f s late; engine %s's health check is not counted",
                                    late, r.engine_id)

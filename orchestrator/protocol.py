@@ -58,6 +58,8 @@ class ReplicaStatus(msgspec.Struct, frozen=True):
     incarnation: str | None = None
     # The last failure, in words (None when it never failed).
     last_error: str | None = None
+    # Health checks that went unanswered (each is confirmed by a second before a restart).
+    missed_checks: int = 0
 
 
 class PoolStatus(msgspec.Struct, frozen=True):

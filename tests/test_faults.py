@@ -281,6 +281,33 @@ def test_killing_vllms_engine_core_under_a_live_actor_restarts_the_replica(pd: R
     nothing_leaked(pd)
 
 
+def test_an_engine_that_stalls_through_one_health_check_is_not_restarted(pd: Running, reference: dict) -> None:
+    """SIGSTOP the prefill engine's process past one health-check timeout, then let it run:
+    it misses one check and answers the second, so it is a stall (a loaded host stalls
+    every engine at once), not a failure, and keeps its process. Requests sent meanwhile
+    wait for it and are answered."""
+    from orchestrator.config import HealthConfig
+
+    victim, expected = replica(status(pd), "prefill-0"), restarts(pd)
+
+    def stall() -> None:  # from the SIGSTOP: 1.5 s of load, then 1.4 timeouts
+        time.sleep(1.4 * HealthConfig().timeout_s)
+        os.kill(victim.pid, signal.SIGCONT)
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        indices = list(range(6))
+        results = load(pd, indices, concurrency=3, during=stall)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    check_answers(results, reference, indices)
+    full_strength(pd, expected)
+    after = replica(status(pd), "prefill-0")
+    assert after.missed_checks == victim.missed_checks + 1, "the stall outlasted exactly one health check"
+    assert (after.pid, after.incarnation) == (victim.pid, victim.incarnation)
+    nothing_leaked(pd)
+
+
 def test_killing_the_cpu_tier_store_under_load_loses_no_request(pd: Running, reference: dict) -> None:
     (store,) = pd.deployment.kv_stores.values()
     old, expected = ray.get(store.stats.remote()), restarts(pd)
