@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", help="each pool and replica of a running deployment: state, node, pid, load, restarts; the CPU tier's fill")
     p.add_argument("--address", default="auto", help="Ray address of the cluster (default: auto, the cluster running on this machine)")
     p.add_argument("--app", default="tandem", help="the deployment's serve.app_name (default: tandem)")
-    p.add_argument("--json", action="store_true", help="print JSON: {pools: [{role, replicas: [{id, state, node, pid, outstanding, restarts}]}], cpu_tier}")
+    p.add_argument("--json", action="store_true", help="print JSON: {pools: [{role, replicas: [{id, state, node, pid, outstanding, restarts, last_error, missed_checks}]}], cpu_tier}")
     p.set_defaults(func=_status)
     from benchmarks.bench import add_arguments, main as bench
 
