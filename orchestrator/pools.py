@@ -113,13 +113,16 @@ class Replica:
     # A router reported a failed call: check now instead of at the next period.
     suspect: str | None = None
     missed_checks: int = 0
+    # Whether the engine loads prefixes from the CPU tier (routers weigh tier hits by it).
+    loads_tier: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
     def ref(self) -> EngineRef:
         assert self.info is not None
         i = self.info
-        return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed, i.node_id)
+        return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed,
+                         i.node_id, self.loads_tier)
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None
@@ -200,7 +203,7 @@ class PoolManager:
         if self.tier is not None:
             await asyncio.gather(*(self.tier.ensure_store(n) for n in sorted(set(nodes))))
         for (role, engine_id, pg), slot in zip(planned, slots):
-            self._launch(Replica(engine_id, role, pg, slot))
+            self._launch(self._replica(engine_id, role, pg, slot))
         await self._wait_until_serving(timeout_s)
         self._starting = False
         infos = [r.info for r in self.replicas.values() if r.info is not None]
@@ -235,6 +238,10 @@ class PoolManager:
     def _reserve(self, role: Role, engine_id: str) -> PlacementGroup:
         bundles = placement_bundles(self.cfg.pools[role], self.cfg.device)
         return placement_group(bundles, strategy="STRICT_PACK", name=f"{self.app}-{engine_id}")
+
+    def _replica(self, engine_id: str, role: Role, pg: PlacementGroup, slot: EngineSlot) -> Replica:
+        tier = self.cfg.cpu_tier
+        return Replica(engine_id, role, pg, slot, loads_tier=tier.enabled and role in tier.load_into)
 
     def _launch(self, r: Replica) -> None:
         """Create the replica's engine actor in its placement group and supervise it."""
@@ -542,7 +549,7 @@ class PoolManager:
             slot = await self.allocator.place_one(node, self.cfg.pools[role].tensor_parallel_size)
             if self.tier is not None:
                 await self.tier.ensure_store(node)
-            self._launch(Replica(engine_id, role, pg, slot))
+            self._launch(self._replica(engine_id, role, pg, slot))
         finally:
             self._growing[role] -= 1
 

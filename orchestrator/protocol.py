@@ -34,6 +34,9 @@ class EngineRef(msgspec.Struct, frozen=True):
     hash_algo: str = "sha256"
     hash_seed: str = "vllm-none-hash"  # vLLM's own default for sha256 without PYTHONHASHSEED
     node_id: str = ""
+    # Whether the engine loads prefixes from the CPU tier (cpu_tier.load_into): only then does
+    # the tier save it computation.
+    loads_tier: bool = False
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

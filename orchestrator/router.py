@@ -357,7 +357,7 @@ class Router:
         if prompt is None or self.cache is None:
             return 0.0
         cached = self.cache.cached_tokens(engine, prompt)
-        tier = tier_tokens(prompt.tier or {}, engine.node_id, cached // engine.block_size, engine.block_size)
+        tier = self._tier_tokens(engine, prompt.tier or {}, cached)
         self.cache.expect(engine, prompt)
         return new_tokens(len(prompt.token_ids), cached, tier, self.routing.tier_token_cost)
 
@@ -371,6 +371,14 @@ class Router:
             return mine
         return mine + max(0, seen.num_requests - seen.requests_by_origin.get(self.origin, 0))
 
+    @staticmethod
+    def _tier_tokens(engine: EngineRef, tier: dict[str, int], cached: int) -> float:
+        """The prompt tokens the CPU tier adds to `engine`'s `cached` ones, when the engine
+        loads from the tier at all (decode engines do not by default)."""
+        if not engine.loads_tier:
+            return 0.0
+        return tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size)
+
     def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
         assert self.cache is not None
         seen = self.cache.seen(engine.engine_id)
@@ -381,7 +389,7 @@ class Router:
             engine.engine_id,
             outstanding,
             cached,
-            tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size),
+            self._tier_tokens(engine, tier, cached),
             seen.kv_cache_usage if seen else 0.0,
             picker.queued_tokens.get(engine.engine_id, 0.0) + (outstanding - mine) * len(prompt.token_ids),
         )
@@ -399,8 +407,7 @@ class Router:
         cached = 0.0
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
             cached = self.cache.cached_tokens(decode, prompt)
-            tier = await self.cache.tier_prefix(decode, prompt)
-            cached = max(cached, sum(tier.values()) * decode.block_size)
+            cached += self._tier_tokens(decode, await self.cache.tier_prefix(decode, prompt), cached)
         picker = self.pools["prefill"]
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())

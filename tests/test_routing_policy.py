@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from actors.kv_events import KVEventFollower, PrefixHasher, as_key
@@ -290,6 +291,29 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
     assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p"}
     assert router.stats.decisions["local:short_uncached"] == 1
     assert router.stats.decisions["remote:long_uncached"] == 1
+
+
+class _Tier:
+    """A CPU-tier index handle that holds every block asked about, on one node."""
+
+    def __init__(self) -> None:
+        self.held_prefix = _Method(lambda hashes: _done({"n1": len(hashes)}))
+
+
+def test_the_tier_counts_for_a_local_prefill_only_where_the_decode_engine_loads_from_it() -> None:
+    """Decode engines do not load from the tier by default (cpu_tier.load_into): a prefix
+    the tier holds would be computed there, so it must not make a local prefill look cheap."""
+    from orchestrator.cache_view import CacheView
+
+    prompt = list(range(5000, 5000 + 10 * BLOCK))
+    cfg = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=64)
+    for loads_tier, expected in ((False, "remote"), (True, "local")):
+        prefill, decode = CachingEngine("p"), CachingEngine("d")
+        decode_ref = msgspec.structs.replace(decode.ref("decode"), node_id="n1", loads_tier=loads_tier)
+        router = Router([prefill.ref("prefill"), decode_ref], cfg, cache_view=CacheView(_Tier()))
+        trace = RequestTrace()
+        serve_one(router, prompt, trace)
+        assert trace.disaggregation == expected, loads_tier
 
 
 def test_an_engine_dropped_and_listed_again_is_followed_into_its_new_view() -> None:
