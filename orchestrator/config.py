@@ -146,7 +146,7 @@ class ScorerWeights(Struct, forbid_unknown_fields=True, frozen=True):
 
     # 1 / (1 + W / prompt tokens), W the prompt tokens the engine has to compute before this
     # request's first token: those queued on it, plus this prompt's beyond its prefix cache
-    # (the CPU tier's counted at routing.tier_token_cost). Alone, it picks the least work.
+    # (the CPU tier's counted at routing.kv_load_cost). Alone, it picks the least work.
     work: Annotated[float, Meta(ge=0)] = 1.0
     # Share of the prompt the engine holds in its own prefix cache (vLLM's KV events).
     prefix: Annotated[float, Meta(ge=0)] = 0.0
@@ -163,10 +163,10 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # each replica on what its prefix cache holds (vLLM's KV events), the CPU tier and load.
     policy: Policy = "least_outstanding"
     scorers: ScorerWeights = ScorerWeights()
-    # What loading one prompt token's KV from the CPU tier costs, as a share of computing it
-    # (kv_aware's `work`). A copy over PCIe or from host memory is far cheaper than a prefill
-    # on either a GPU or a CPU.
-    tier_token_cost: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    # What loading one prompt token's KV (from the CPU tier, or over NIXL from a prefill
+    # engine) costs, as a share of computing it (kv_aware's `work`). A copy over PCIe, the
+    # network or from host memory is far cheaper than a prefill on either a GPU or a CPU.
+    kv_load_cost: Annotated[float, Meta(ge=0, le=1)] = 0.1
     # kv_aware leaves out replicas whose KV cache is at least this full, unless all are.
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
     # Disaggregated deployments: whether a request is prefilled on the prefill pool

@@ -350,16 +350,22 @@ class Router:
         return engine
 
     def _claim(self, engine: EngineRef, prompt: PromptKeys | None) -> float:
-        """The request goes to `engine`: the prompt tokens it will compute there (kv_aware's
-        estimate; 0 without a cache view), and from now the prompt's blocks count as held
-        there until its events say so (after the estimate, and once the choice is final: the
-        decision must see the cache as it is)."""
+        """The request goes to `engine`: returns its weight in the engine's queue for
+        kv_aware's `work` (the prompt tokens a prefill or colocated engine will compute, the
+        KV a decode engine will hold while it decodes; 0 without a cache view). From now the
+        prompt's blocks count as held there until its events say so (after the estimate, and
+        once the choice is final: the decision must see the cache as it is)."""
         if prompt is None or self.cache is None:
             return 0.0
-        cached = self.cache.cached_tokens(engine, prompt)
-        tier = self._tier_tokens(engine, prompt.tier or {}, cached)
+        n = len(prompt.token_ids)
+        if engine.role == "decode":
+            work = float(n)
+        else:
+            cached = self.cache.cached_tokens(engine, prompt)
+            loaded = self._loaded_tokens(engine, prompt, prompt.tier or {}, cached)
+            work = new_tokens(n, cached, loaded, self.routing.kv_load_cost)
         self.cache.expect(engine, prompt)
-        return new_tokens(len(prompt.token_ids), cached, tier, self.routing.tier_token_cost)
+        return work
 
     def _outstanding(self, engine: EngineRef, picker: EnginePicker) -> int:
         """Requests in flight on `engine`: this router's own (exact, now) plus the other
@@ -379,6 +385,13 @@ class Router:
             return 0.0
         return tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size)
 
+    def _loaded_tokens(self, engine: EngineRef, prompt: PromptKeys, tier: dict[str, int], cached: int) -> float:
+        """Prompt tokens beyond `cached` that `engine` would load rather than compute: a
+        decode engine the prefill's KV over NIXL, any other what the CPU tier holds."""
+        if engine.role == "decode":
+            return float(len(prompt.token_ids) - cached)
+        return self._tier_tokens(engine, tier, cached)
+
     def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
         assert self.cache is not None
         seen = self.cache.seen(engine.engine_id)
@@ -389,7 +402,7 @@ class Router:
             engine.engine_id,
             outstanding,
             cached,
-            self._tier_tokens(engine, tier, cached),
+            self._loaded_tokens(engine, prompt, tier, cached),
             seen.kv_cache_usage if seen else 0.0,
             picker.queued_tokens.get(engine.engine_id, 0.0) + (outstanding - mine) * len(prompt.token_ids),
         )
@@ -586,8 +599,6 @@ class Router:
         if engine is None:
             raise NoEngineError("no healthy engine is left to serve the request; retry once the pools have recovered")
         work = self._claim(engine, prompt)
-        if kv_params is not None:
-            work = 1.0  # the prefill's KV comes over NIXL: the engine computes the last token only
         generated: list[int] = []
         failed: set[str] = set()
         while True:

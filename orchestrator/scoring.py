@@ -5,6 +5,17 @@ give each remaining replica a score between 0 and 1, and the replica with the hi
 weighted sum wins (ties go to the one with fewer requests in flight, then round robin). The
 weights are `routing.scorers` in the config; a new scorer is one function in SCORERS and one
 field there.
+
+The default weighs one scorer, `work`: the prompt tokens a replica has yet to compute before
+this request's first token, those of the requests queued on it plus this request's own not
+in its prefix cache, a token it would load (from the CPU tier, or a decode replica's over
+NIXL) costing `routing.kv_load_cost` of one computed. A prefix holder wins while its queue is
+shorter than what its cache saves. On a decode replica the queue is the KV its requests hold
+(every decode step reads it), so decode replicas balance on load first. Summing a prefix
+share and a load score (llm-d's way, still a config away) piled chats onto their holders
+with the CPU tier on, where a missing prefix is a cheap load and the holder's queue is all
+that differs (docs/bench-results.md, routing run 4). Dynamo's KV router weighs the same two
+quantities in one cost.
 """
 
 from __future__ import annotations
@@ -24,12 +35,13 @@ class EngineFacts(msgspec.Struct, frozen=True):
     outstanding: int
     # Prompt tokens in the replica's own prefix cache, from the first.
     cached_tokens: int
-    # Prompt tokens beyond those in the CPU tier, blocks on other nodes counted half.
-    tier_tokens: float
+    # Prompt tokens beyond those the replica would load rather than compute: from the CPU tier
+    # (blocks on other nodes counted half), or, for a decode replica, the prefill's over NIXL.
+    loaded_tokens: float
     kv_cache_usage: float
-    # Prompt tokens the replica has yet to compute for the requests in flight on it: this
-    # router's estimates (`new_tokens`) made when it sent them, other routers' requests
-    # counted at this request's size.
+    # Prompt tokens the replica has yet to compute for the requests in flight on it (a decode
+    # replica: the KV they hold, which each of its steps reads), this router's estimates made
+    # when it sent them, other routers' requests counted at this request's size.
     queued_tokens: float = 0.0
 
 
@@ -37,11 +49,11 @@ Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
 Filter = Callable[[EngineFacts, RoutingConfig], bool]
 
 
-def new_tokens(prompt_tokens: int, cached_tokens: float, tier_tokens: float, tier_token_cost: float) -> float:
+def new_tokens(prompt_tokens: int, cached_tokens: float, loaded_tokens: float, kv_load_cost: float) -> float:
     """Prompt tokens an engine computes for a request, in computed-token units: those not in
-    its prefix cache, the CPU tier's counting `tier_token_cost` each; at least one (vLLM always
+    its prefix cache, the loaded ones counting `kv_load_cost` each; at least one (vLLM always
     computes the last)."""
-    return max(1.0, prompt_tokens - cached_tokens - (1.0 - tier_token_cost) * tier_tokens)
+    return max(1.0, prompt_tokens - cached_tokens - (1.0 - kv_load_cost) * loaded_tokens)
 
 
 def _share(tokens: float, prompt_tokens: int) -> float:
@@ -50,14 +62,14 @@ def _share(tokens: float, prompt_tokens: int) -> float:
 
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """1 / (1 + the tokens ahead of this request's first token, in prompts of its size)."""
-    ahead = f.queued_tokens + new_tokens(n, f.cached_tokens, f.tier_tokens, cfg.tier_token_cost)
+    ahead = f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
     return 1.0 / (1.0 + ahead / max(n, 1))
 
 
 SCORERS: dict[str, Scorer] = {
     "work": _work,
     "prefix": lambda f, n, cfg: _share(f.cached_tokens, n),
-    "tier": lambda f, n, cfg: _share(f.tier_tokens, n),
+    "tier": lambda f, n, cfg: _share(f.loaded_tokens, n),
     "load": lambda f, n, cfg: 1.0 / (1.0 + f.outstanding),
     "kv_free": lambda f, n, cfg: max(0.0, 1.0 - f.kv_cache_usage),
 }

@@ -122,13 +122,13 @@ def test_work_weighs_what_a_cache_saves_against_the_queue_ahead() -> None:
     assert choose([facts("idle"), facts("holder", 1, cached=900, queued=500)], 1000, cfg).engine_id == "holder"
     # Once more than the 900 saved tokens wait ahead of it, the repeat goes elsewhere.
     assert choose([facts("holder", 2, cached=900, queued=1200), facts("idle")], 1000, cfg).engine_id == "idle"
-    # A prefix in the CPU tier is a cheap load (tier_token_cost 0.1): 190 tokens' work, so a
+    # A prefix in the CPU tier is a cheap load (kv_load_cost 0.1): 190 tokens' work, so a
     # holder with a queue loses to the engine that would load it...
     assert choose([facts("holder", 1, cached=900, queued=200), facts("loads", tier=900)], 1000, cfg).engine_id == "loads"
     # ...and an idle holder wins over it.
     assert choose([facts("loads", tier=900), facts("holder", cached=900)], 1000, cfg).engine_id == "holder"
-    # With tier_token_cost 1 the tier saves nothing.
-    dear_tier = RoutingConfig(policy="kv_aware", tier_token_cost=1.0)
+    # With kv_load_cost 1 the tier saves nothing.
+    dear_tier = RoutingConfig(policy="kv_aware", kv_load_cost=1.0)
     assert choose([facts("loads", tier=900), facts("idle", queued=100)], 1000, dear_tier).engine_id == "loads"
     assert choose([facts("loads", tier=900, queued=100), facts("idle")], 1000, dear_tier).engine_id == "idle"
     # Equal scores go to the engine with fewer requests in flight.
@@ -291,6 +291,24 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
     assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p"}
     assert router.stats.decisions["local:short_uncached"] == 1
     assert router.stats.decisions["remote:long_uncached"] == 1
+
+
+def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
+    """A decode replica pulls what it lacks over NIXL (cheap, kv_load_cost), so the prefix it
+    holds only decides between replicas holding alike; the KV its running requests hold (read
+    at every decode step) counts in full."""
+    prefill, warm, cold = CachingEngine("p"), CachingEngine("warm", [SYSTEM]), CachingEngine("cold")
+    router = Router([prefill.ref("prefill"), warm.ref("decode"), cold.ref("decode")], RoutingConfig(policy="kv_aware"))
+    prompt = SYSTEM + list(range(2 * BLOCK))
+    seen: list[float] = []
+    warm.generate = _Method(lambda req: (seen.append(router.pools["decode"].queued_tokens["warm"]), warm._generate(req))[1])
+    serve_one(router, prompt, RequestTrace())
+    assert len(warm.requests) == 1 and not cold.requests
+    assert seen == [len(prompt)]  # while it decoded, the request weighed its whole KV there
+    assert router.pools["decode"].queued_tokens["warm"] == 0.0  # given back when it ended
+    router.pools["decode"].acquire(warm.ref("decode"), float(len(prompt)))  # one like it still decoding
+    serve_one(router, prompt, RequestTrace())
+    assert len(warm.requests) == 1 and len(cold.requests) == 1
 
 
 class _Tier:
