@@ -160,8 +160,10 @@ class ScorerWeights(Struct, forbid_unknown_fields=True, frozen=True):
 
 class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # How the router picks a replica within a pool (healthy replicas only). kv_aware scores
-    # each replica on what its prefix cache holds (vLLM's KV events), the CPU tier and load.
-    policy: Policy = "least_outstanding"
+    # each replica on what its prefix cache holds (vLLM's KV events), the CPU tier and load;
+    # it beat round robin and least outstanding on every routing bench run since its `work`
+    # scorer (docs/bench-results.md).
+    policy: Policy = "kv_aware"
     scorers: ScorerWeights = ScorerWeights()
     # What loading one prompt token's KV (from the CPU tier, or over NIXL from a prefill
     # engine) costs, as a share of computing it (kv_aware's `work`). A copy over PCIe, the
