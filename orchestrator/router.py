@@ -340,8 +340,8 @@ class Router:
             engine = picker.pick(exclude)
         else:
             candidates = picker.candidates(exclude)
-            if not candidates:
-                return None
+            if len(candidates) <= 1:  # no choice: no scores, no tier lookup on the request's path
+                return candidates[0] if candidates else None
             weights = self.routing.scorers
             tier = await self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
             facts = [self._facts(e, picker, prompt, tier) for e in candidates]
