@@ -44,20 +44,23 @@ class PrefixHasher:
     multimodal input or cache salt), with the engine's hash algorithm and seed."""
 
     def __init__(self, algo: str, seed: str, block_size: int) -> None:
+        # vLLM's scheduler module takes seconds to import: here, when a router starts
+        # following an engine, not inside the first request's routing on its event loop
+        # (where it stalled every request of an ingress for up to 10 s on a loaded host).
         from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
         self.algo, self.seed, self.block_size = algo, seed, block_size
         self._fn = get_hash_fn_by_name(algo)
+        self._hash_block = hash_block_tokens
         self._none_hash: bytes = self._fn(seed)
 
     def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """One hash per full block of `token_ids`, each chained on the one before."""
-        from vllm.v1.core.kv_cache_utils import hash_block_tokens
-
         out: list[bytes] = []
         parent = self._none_hash
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            parent = hash_block_tokens(self._fn, parent, token_ids[start : start + self.block_size], None)
+            parent = self._hash_block(self._fn, parent, token_ids[start : start + self.block_size], None)
             out.append(parent)
         return out
 

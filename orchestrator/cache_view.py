@@ -116,10 +116,12 @@ class CacheView:
         self._hashers: dict[tuple[str, str, int], PrefixHasher] = {}
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
-        """Follow these engines (from the next `sync` on the event loop); forget the rest."""
+        """Follow these engines (from the next `sync` on the event loop); forget the rest.
+        Their block hashers are made now, before any request needs them (`PrefixHasher`)."""
         self.caches = {e.engine_id: self.caches.get(e.engine_id) or EngineCache(e) for e in engines}
         for e in engines:
             self.caches[e.engine_id].ref = e
+            self.hasher(e.hash_algo, e.hash_seed, e.block_size)
 
     def sync(self) -> None:
         """Start following new engines and stop following gone ones; needs a running loop."""

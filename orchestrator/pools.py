@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
@@ -389,7 +390,8 @@ class PoolManager:
         """Send one request through a prefill -> decode pair so the NIXL handshake (seconds)
         happens now, not on a user's request. Returns what went wrong, or None."""
         assert p.info is not None and d.info is not None
-        router = Router([p.ref(), d.ref()], self.cfg.routing)
+        # Both engines are pinned: nothing is routed, so no cache view (and no vLLM import here).
+        router = Router([p.ref(), d.ref()], msgspec.structs.replace(self.cfg.routing, policy="round_robin", disaggregation="always"))
         # Long enough to fill at least one KV block, so real bytes move.
         n = min(p.info.block_size + 1, p.info.max_model_len - 2)
         trace = RequestTrace()
