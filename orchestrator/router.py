@@ -150,8 +150,8 @@ class EnginePicker:
         self.policy = policy
         self.engines: list[EngineRef] = []
         self.outstanding: dict[str, int] = {}
-        # Prompt tokens each replica has yet to compute for this router's requests in flight
-        # there, as estimated when they were sent (kv_aware's `work`).
+        # kv_aware's `work` queue of each replica, from this router's requests in flight there
+        # (Router._claim: prompt tokens to compute, or on a decode replica the KV held).
         self.queued_tokens: dict[str, float] = {}
         # engine id -> (incarnation whose process failed, when); skipped until the routing table
         # drops that incarnation or lists another, or for EXCLUSION_TTL_S at most.
@@ -194,7 +194,7 @@ class EnginePicker:
         self.failed[engine.engine_id] = (engine.incarnation, time.monotonic())
 
     def acquire(self, engine: EngineRef, tokens: float = 0.0) -> None:
-        """Count a request sent to `engine` that will compute `tokens` prompt tokens there."""
+        """Count a request sent to `engine`, weighing `tokens` in its queue (Router._claim)."""
         eid = engine.engine_id
         self.outstanding[eid] = self.outstanding.get(eid, 0) + 1
         self.queued_tokens[eid] = self.queued_tokens.get(eid, 0.0) + tokens

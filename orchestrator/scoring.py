@@ -35,8 +35,9 @@ class EngineFacts(msgspec.Struct, frozen=True):
     outstanding: int
     # Prompt tokens in the replica's own prefix cache, from the first.
     cached_tokens: int
-    # Prompt tokens beyond those the replica would load rather than compute: from the CPU tier
-    # (blocks on other nodes counted half), or, for a decode replica, the prefill's over NIXL.
+    # Prompt tokens beyond the cached ones that the replica would load rather than compute:
+    # from the CPU tier (blocks on other nodes counted half), or, for a decode replica, the
+    # prefill's over NIXL.
     loaded_tokens: float
     kv_cache_usage: float
     # Prompt tokens the replica has yet to compute for the requests in flight on it (a decode
