@@ -459,11 +459,11 @@ class PoolManager:
                 return True
             except asyncio.TimeoutError:
                 late = time.monotonic() - t0 - self.health.timeout_s
-                r.missed_checks += 1
                 if late > LOOP_LAG_S:
                     logger.warning("the pool manager ran %.1f s late; engine %s's health check is not counted",
                                    late, r.engine_id)
                     return True
+                r.missed_checks += 1
             if attempt == 1:
                 others = [o for o in self.replicas.values() if o.role == r.role and o is not r and o.state == "healthy"]
                 if others and r.state == "healthy":

@@ -213,10 +213,10 @@ class _Health:
         return asyncio.ensure_future(asyncio.sleep(self.delays.pop(0), result=None))
 
 
-def _check(peers: int, *delays: float) -> tuple[bool, list[str]]:
+def _check(peers: int, *delays: float) -> tuple[bool, list[str], int]:
     """Run the pool manager's confirmed health check (its real method, on a stand-in for the
     actor's state) of one replica with `peers` healthy others in its pool; returns the
-    verdict and the states the replica went through."""
+    verdict, the states the replica went through and the checks it missed."""
     from types import SimpleNamespace
 
     from orchestrator.config import HealthConfig
@@ -232,16 +232,16 @@ def _check(peers: int, *delays: float) -> tuple[bool, list[str]]:
 
     manager = SimpleNamespace(replicas={"decode-0": r, **others}, health=HealthConfig(timeout_s=0.2), _set_state=set_state)
     answers = PoolManager.__ray_metadata__.modified_class._answers
-    return asyncio.run(answers(manager, r)), states
+    return asyncio.run(answers(manager, r)), states, r.missed_checks
 
 
 def test_a_missed_health_check_is_confirmed_before_the_engine_is_condemned() -> None:
     # Answers in time: nothing happens.
-    assert _check(1, 0.0) == (True, [])
+    assert _check(1, 0.0) == (True, [], 0)
     # One miss: out of routing while it is asked again; answers the second time.
-    assert _check(1, 1.0, 0.0) == (True, ["unhealthy"])
+    assert _check(1, 1.0, 0.0) == (True, ["unhealthy"], 1)
     # Two misses: condemned (the caller restarts it).
-    assert _check(1, 1.0, 1.0) == (False, ["unhealthy"])
+    assert _check(1, 1.0, 1.0) == (False, ["unhealthy"], 2)
     # The pool's last replica in routing stays there while it is checked again.
-    assert _check(0, 1.0, 0.0) == (True, [])
-    assert _check(0, 1.0, 1.0) == (False, [])
+    assert _check(0, 1.0, 0.0) == (True, [], 1)
+    assert _check(0, 1.0, 1.0) == (False, [], 2)
