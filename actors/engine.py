@@ -38,7 +38,6 @@ from actors.resume import ResumedText
 from actors.protocol import (
     TRANSFER_BUCKETS,
     CacheUpdate,
-    EngineChunk,
     EngineInfo,
     EngineLoad,
     EngineRequest,
@@ -208,7 +207,7 @@ async def batched(
 
 def _has_text(out: Any) -> bool:
     """Whether a vLLM RequestOutput delta shows the client anything."""
-    return bool(out.outputs[0].text)
+    return any(c.text for c in out.outputs)
 
 
 @ray.remote
@@ -290,22 +289,27 @@ class EngineActor:
     def info(self) -> EngineInfo:
         return self._info
 
-    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Stream the request's output as deltas; the last chunk has finished=True.
+    def vllm_config(self) -> Any:
+        """The engine's resolved VllmConfig, for the ingress's renderer (orchestrator.engine_client):
+        it tokenizes and applies defaults exactly as this engine would."""
+        return self.llm.vllm_config
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Any]:
+        """Stream the request's vLLM RequestOutputs as deltas; the last one is finished.
 
         The vLLM request runs in a task of its own (`_run`), not in this stream: when the caller
         leaves, Ray cancels this stream, and a cancel landing inside vLLM's generate would drop
         the output waiting there (a prefill's answer, so its blocks stay held until NIXL's
         lease ends) or stop a decode before vLLM saw it (the prefill's blocks, again). Here a
         cancelled stream becomes an abort, and `_run` takes vLLM's last output as usual."""
-        chunks: asyncio.Queue[EngineChunk | Exception | None] = asyncio.Queue()
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
         ended = self._streams[req.request_id] = asyncio.Event()
         self._started[req.request_id] = None
         if len(self._started) > STARTED_MEMORY:
             self._started.popitem(last=False)
-        runner = asyncio.create_task(self._run(req, chunks, ended))
+        runner = asyncio.create_task(self._run(req, outputs, ended))
         try:
-            while (item := await chunks.get()) is not None:
+            while (item := await outputs.get()) is not None:
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -315,69 +319,63 @@ class EngineActor:
                 self._background.add(aborting)
                 aborting.add_done_callback(self._background.discard)
 
-    async def _run(self, req: EngineRequest, chunks: asyncio.Queue[EngineChunk | Exception | None], ended: asyncio.Event) -> None:
-        """Run one request on vLLM to its last output, putting its chunks (then None) in `chunks`."""
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+    def _params(self, req: EngineRequest, resumed: ResumedText | None) -> Any:
+        """vLLM's SamplingParams for `req`: streamed as deltas, with the KV hand-off's params."""
+        from vllm.sampling_params import RequestOutputKind
 
-        s = req.sampling
+        params = req.sampling.clone()
+        params.output_kind = RequestOutputKind.DELTA
+        if req.kv_transfer_params:
+            params.extra_args = (params.extra_args or {}) | {"kv_transfer_params": req.kv_transfer_params}
+        if resumed is not None:
+            params.stop = []  # checked by ResumedText, over the whole output
+        return params
+
+    async def _run(self, req: EngineRequest, outputs: asyncio.Queue[Any], ended: asyncio.Event) -> None:
+        """Run one request on vLLM to its last output, putting its deltas (then None) in `outputs`."""
         resumed = None
         if req.resume_from is not None:
             resumed = ResumedText(
-                self.llm.tokenizer, req.prompt_token_ids[: req.resume_from], req.prompt_token_ids[req.resume_from :], s
+                self.llm.tokenizer, req.prompt_token_ids[: req.resume_from], req.prompt_token_ids[req.resume_from :], req.sampling
             )
-        params = SamplingParams(
-            **msgspec.structs.asdict(s)
-            | {
-                # A resumed request's stop strings are checked by ResumedText, over the whole output.
-                "stop": (s.stop or None) if resumed is None else None,
-                "stop_token_ids": s.stop_token_ids or None,
-            },
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
-        )
+        params = self._params(req, resumed)
         finished = prefilled = False
         num_prompt = len(req.prompt_token_ids)
-        remaining = num_prompt + s.max_tokens
+        remaining = num_prompt + params.max_tokens * params.n
         self.load.add(1, remaining)
         self.requests_by_origin[req.origin] += 1
         self.kv_events.poke()  # routers' view of the load
         try:
-            outputs = self.llm.generate({"prompt_token_ids": req.prompt_token_ids}, params, req.request_id)
-            async with contextlib.aclosing(batched(outputs, req.stream_batch_s, _has_text)) as batches:
+            prompt = req.prompt_fields | {"prompt_token_ids": req.prompt_token_ids}
+            stream = self.llm.generate(prompt, params, req.request_id, **req.generate_kwargs)
+            async with contextlib.aclosing(batched(stream, req.stream_batch_s, _has_text)) as batches:
                 async for batch in batches:
-                    out, comp = batch[-1], batch[-1].outputs[0]
-                    token_ids = [t for o in batch for t in o.outputs[0].token_ids]
-                    text = "".join(o.outputs[0].text for o in batch)
-                    done = len(token_ids) + (0 if prefilled else num_prompt)
+                    out = batch[0]
+                    for later in batch[1:]:
+                        out.add(later, aggregate=True)
+                    done = sum(len(c.token_ids) for c in out.outputs) + (0 if prefilled else num_prompt)
                     prefilled = True
                     self.load.add(0, -done)
                     remaining -= done
-                    ended_now, reason = out.finished, comp.finish_reason
                     if resumed is not None:
-                        text, token_ids, stopped = resumed.feed(token_ids, ended_now, ended_now and reason == "stop")
+                        comp = out.outputs[0]
+                        comp.text, comp.token_ids, stopped = resumed.feed(
+                            list(comp.token_ids), out.finished, out.finished and comp.finish_reason == "stop"
+                        )
                         if stopped:
-                            ended_now, reason = True, "stop"
+                            out.finished, comp.finish_reason = True, "stop"
                     # vLLM ends an aborted request with a last output that is finished with reason
                     # "abort"; count it as aborted, as a cancelled stream is.
-                    finished = ended_now and reason != "abort"
-                    kv_params = out.kv_transfer_params if out.finished else None
-                    if kv_params:
-                        self._remember_handoff(req.request_id, kv_params)
-                    chunks.put_nowait(EngineChunk(
-                        text=text,
-                        token_ids=token_ids,
-                        finished=ended_now,
-                        finish_reason=reason,
-                        num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
-                        num_cached_tokens=out.num_cached_tokens or 0,
-                        kv_transfer_params=kv_params,
-                    ))
-                    if ended_now:
+                    finished = out.finished and all(c.finish_reason != "abort" for c in out.outputs)
+                    if out.finished and out.kv_transfer_params:
+                        self._remember_handoff(req.request_id, out.kv_transfer_params)
+                    outputs.put_nowait(out)
+                    if out.finished:
                         return  # a stop string found here: closing the stream aborts vLLM's request
         except Exception as err:  # vLLM's (a bad request, a dead engine core): the caller's to see
-            chunks.put_nowait(err)
+            outputs.put_nowait(err)
         finally:
-            chunks.put_nowait(None)
+            outputs.put_nowait(None)
             ended.set()
             if self._streams.get(req.request_id) is ended:
                 del self._streams[req.request_id]

@@ -1,7 +1,8 @@
 """Messages between the router and engine actors: typed msgspec Structs, no vLLM imports.
 
-The router (in the Serve ingress) builds these without importing vLLM; the engine actor
-turns them into vLLM objects. Only what a request needs crosses the process boundary.
+A request carries vLLM's own SamplingParams and comes back as vLLM's own RequestOutputs
+(both opaque here, pickled by Ray); everything Tandem adds around them is typed here. Only
+what a request needs crosses the process boundary.
 """
 
 from __future__ import annotations
@@ -17,36 +18,22 @@ Role = Literal["prefill", "decode", "both"]
 TRANSFER_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class SamplingOptions(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The sampling settings Tandem forwards to vLLM's SamplingParams (same names)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-
 class EngineRequest(msgspec.Struct, frozen=True):
+    """One request for one engine. The ingress renders OpenAI requests with vLLM's own serving
+    layer, so the prompt arrives as token ids and the sampling settings as vLLM's
+    `SamplingParams` (pickled by Ray, so every field vLLM accepts reaches the engine)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingOptions
+    # vLLM's SamplingParams. The engine streams deltas whatever its output_kind says; the
+    # ingress's engine client shapes them for the serving layer.
+    sampling: Any
     # vLLM's kv_transfer_params: {"do_remote_decode": True} for a prefill, the prefill's
     # answer for the matching decode, None for a colocated request.
     kv_transfer_params: dict[str, Any] | None = None
-    # Streamed chunks leave at most once per this many seconds, each carrying every token
+    # Streamed outputs leave at most once per this many seconds, each carrying every token
     # decoded since the last (actors.engine.batched); the first text and the end of the
-    # request never wait. 0: a chunk per engine step.
+    # request never wait. 0: an output per engine step.
     stream_batch_s: float = 0.0
     # Set when the request resumes one that another engine was streaming: prompt_token_ids
     # is the original prompt (its first `resume_from` ids) plus the output already streamed,
@@ -55,20 +42,10 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # Which router sent it (Router.origin): an engine's load report counts requests per
     # origin, so each router adds only the others' requests to its own exact count.
     origin: str = ""
-
-
-class EngineChunk(msgspec.Struct, frozen=True):
-    """One streamed delta of a request's output."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    # Prompt tokens this engine did not compute (local prefix cache + external KV).
-    num_cached_tokens: int = 0
-    # Set on a prefill's final chunk: what the decode engine needs to pull the KV.
-    kv_transfer_params: dict[str, Any] | None = None
+    # The rest of vLLM's rendered prompt (its text, cache_salt) and the keyword arguments of
+    # AsyncLLM.generate the serving layer passed (priority, reasoning_ended, ...).
+    prompt_fields: dict[str, Any] = {}
+    generate_kwargs: dict[str, Any] = {}
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

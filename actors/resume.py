@@ -18,13 +18,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from actors.protocol import SamplingOptions
-
 
 class ResumedText:
     """Text deltas and stop strings of a resumed request, as the undisturbed stream's would be."""
 
-    def __init__(self, tokenizer: Any, prompt: list[int], streamed: list[int], sampling: SamplingOptions) -> None:
+    def __init__(self, tokenizer: Any, prompt: list[int], streamed: list[int], sampling: Any) -> None:
+        """`sampling`: the resumed request's vLLM SamplingParams."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import ray
 
-from actors.protocol import EngineRequest, SamplingOptions
+from actors.protocol import EngineRequest
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.tiny_model import prepare_tiny_model
@@ -47,12 +47,14 @@ class Figures(msgspec.Struct):
 
 
 async def ttft_ms(handle: Any, request_id: str, tokens: list[int]) -> float:
+    from vllm.sampling_params import SamplingParams
+
     t0 = time.perf_counter()
     first: float | None = None
-    req = EngineRequest(request_id, tokens, SamplingOptions(max_tokens=4, temperature=0.0))
+    req = EngineRequest(request_id, tokens, SamplingParams(max_tokens=4, temperature=0.0))
     async for ref in handle.generate.remote(req):
-        chunk = await ref
-        if first is None and chunk.token_ids:
+        out = await ref
+        if first is None and out.outputs[0].token_ids:
             first = time.perf_counter()
     assert first is not None
     return (first - t0) * 1000

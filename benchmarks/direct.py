@@ -2,9 +2,10 @@
 
 Comparing a run through Tandem's OpenAI endpoint with this one, at the same rate and with the
 same workload, measures what the front door costs: the Serve proxy, the ingress replica
-(parsing, tokenizing, SSE) and the extra Ray hop. The requests are tokenized by the same
-tokenizer and decoded into the same `CompletionRequest` the ingress builds, so engines see
-identical token ids and sampling settings; the schedule comes from the load generator itself.
+(vLLM's parsing, tokenizing and SSE) and the extra Ray hop. The requests are tokenized by the
+same tokenizer and turned into sampling settings by vLLM's own `CompletionRequest`, as the
+ingress does, so engines see identical token ids and sampling settings; the schedule comes
+from the load generator itself.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import msgspec
 from tqdm.auto import tqdm
 
 from benchmarks.loadgen import RunConfig, RunResult, _measure, arrival_times, environment, metric_deltas, request_body, scrape_metrics
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO, RequestResult, summarize
 from benchmarks.workloads import BenchRequest, WorkloadSpec
-from orchestrator.openai_api import CompletionRequest
+from actors.protocol import EngineRequest
 from orchestrator.router import RequestTrace, Router
 
 DIRECT_URL = "ray://engine-actors"  # stands in for base_url in a direct run's RunConfig
@@ -45,8 +45,11 @@ class DirectSender:
         pass
 
     async def send(self, request: BenchRequest, index: int, run_start: float) -> RequestResult:
-        body = msgspec.json.decode(msgspec.json.encode(request_body(self.config, request, {})), type=CompletionRequest)
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        body = CompletionRequest(**request_body(self.config, request, {}))
         prompt_ids = self.tokenizer(request.prompt).input_ids
+        engine_request = EngineRequest(f"direct-{uuid.uuid4().hex}", prompt_ids, body.to_sampling_params(request.max_tokens, {}))
         trace = RequestTrace()
         sent = time.perf_counter()
         token_times: list[float] = []
@@ -54,10 +57,10 @@ class DirectSender:
 
         async def consume() -> None:
             nonlocal num_out
-            async for chunk in self.router.generate(f"direct-{uuid.uuid4().hex}", prompt_ids, body.sampling(request.max_tokens), trace):
-                if chunk.text:  # the HTTP client times chunks that carry text, so do the same
+            async for out in self.router.generate(engine_request, trace):
+                if out.outputs[0].text:  # the HTTP client times chunks that carry text, so do the same
                     token_times.append(time.perf_counter() - sent)
-                num_out += len(chunk.token_ids)
+                num_out += len(out.outputs[0].token_ids)
 
         try:
             await asyncio.wait_for(consume(), self.config.request_timeout_s)

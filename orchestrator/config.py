@@ -223,6 +223,14 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Ingress replicas (HTTP parsing, tokenization, routing); each has its own router, and
     # every router follows the engines' KV events itself, so they route alike.
     ingress_replicas: PositiveInt = 1
+    # A request body larger than this is refused with 413 before it is read or parsed.
+    max_request_bytes: PositiveInt = 4 * 1024 * 1024
+    # Flags of `vllm serve`'s OpenAI front end, as on its command line: the ingress runs
+    # vLLM's own serving layer with them, e.g. ["--enable-auto-tool-choice",
+    # "--tool-call-parser", "hermes"], ["--chat-template", "tmpl.jinja"], ["--api-key", "k"].
+    # Engine flags belong in engine_args (a reasoning parser too: the ingress takes it from
+    # the engines' config).
+    openai_args: list[str] = []
 
 
 class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):

@@ -7,7 +7,10 @@ already holds most of the prompt (its prefix cache or the CPU tier), the part le
 and computing it in place is cheaper than the round trip, unless the engine is busy: the
 stall is paid by every request it runs, so the budget is the uncached tokens times the
 requests held up (the new one included). When the prefill pool is saturated, waiting for it
-costs more than the stall. Counted on /metrics by decision and reason.
+costs more than the stall. A request that asks for its prompt's logprobs (echo with
+logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
+in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
+Counted on /metrics by decision and reason.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from orchestrator.config import RoutingConfig
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
 # on the decode engine, for the requests it would hold up; prefill_busy: every prefill replica
-# is saturated; long_uncached: worth a remote prefill.
-Reason = Literal["always", "never", "short_uncached", "prefill_busy", "long_uncached"]
+# is saturated; long_uncached: worth a remote prefill; prompt_logprobs: the request needs
+# its prompt computed where its output streams.
+Reason = Literal["always", "never", "short_uncached", "prefill_busy", "long_uncached", "prompt_logprobs"]
 DECISIONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "short_uncached"),
-    ("local", "prefill_busy"), ("remote", "long_uncached"),
+    ("local", "prefill_busy"), ("remote", "long_uncached"), ("local", "prompt_logprobs"),
 )
 
 
@@ -33,11 +37,15 @@ def decide(
     decode_cached_tokens: float,
     decode_outstanding: int,
     prefill_outstanding: list[int],
+    *,
+    prompt_logprobs: bool = False,
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
     cache, or the CPU tier); `decode_outstanding`: requests in flight there;
     `prefill_outstanding`: requests in flight per healthy prefill replica (empty: none is
     healthy, which the router handles as a fallback)."""
+    if prompt_logprobs:
+        return "local", "prompt_logprobs"
     if cfg.disaggregation == "always":
         return "remote", "always"
     if cfg.disaggregation == "never":

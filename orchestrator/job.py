@@ -52,7 +52,7 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
     try:
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         deployment.start()
-        app = build_ingress(cfg, min(i.max_model_len for i in deployment.infos))
+        app = build_ingress(cfg)
         serve.run(app, name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
         host = ray.util.get_node_ip_address() if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
         yield Running(f"http://{host}:{cfg.serve.port}/v1", deployment, embedded)

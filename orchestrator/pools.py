@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine import EngineActor
 from actors.logs import setup_logging
-from actors.protocol import EngineInfo, EngineLoad, Role, SamplingOptions
+from actors.protocol import EngineInfo, EngineLoad, EngineRequest, Role
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.config import TandemConfig, parse_config
 from orchestrator.placement import EngineSlot, SlotAllocator, actor_resources, placement_bundles
@@ -390,7 +390,9 @@ class PoolManager:
         """Send one request through a prefill -> decode pair so the NIXL handshake (seconds)
         happens now, not on a user's request. Returns what went wrong, or None."""
         assert p.info is not None and d.info is not None
-        # Both engines are pinned: nothing is routed, so no cache view (and no vLLM import here).
+        from vllm.sampling_params import SamplingParams
+
+        # Both engines are pinned: nothing is routed, so no cache view.
         router = Router([p.ref(), d.ref()], msgspec.structs.replace(self.cfg.routing, policy="round_robin", disaggregation="always"))
         # Long enough to fill at least one KV block, so real bytes move.
         n = min(p.info.block_size + 1, p.info.max_model_len - 2)
@@ -398,9 +400,11 @@ class PoolManager:
         t0 = time.perf_counter()
         try:
             async for _ in router.generate(
-                f"prewarm-{p.engine_id}-{p.info.incarnation}-{d.engine_id}-{d.info.incarnation}",
-                list(range(10, 10 + n)),
-                SamplingOptions(max_tokens=1, temperature=0.0),
+                EngineRequest(
+                    f"prewarm-{p.engine_id}-{p.info.incarnation}-{d.engine_id}-{d.info.incarnation}",
+                    list(range(10, 10 + n)),
+                    SamplingParams(max_tokens=1, temperature=0.0),
+                ),
                 trace,
                 prefill_engine=p.ref(),
                 decode_engine=d.ref(),

@@ -2,7 +2,7 @@
 
 One request, disaggregated (DESIGN.md):
   1. prefill engine: the prompt with max_tokens=1 and kv_transfer_params={"do_remote_decode": True};
-  2. its final chunk carries kv_transfer_params (engine id, block ids, host, port);
+  2. its final output carries kv_transfer_params (engine id, block ids, host, port);
   3. decode engine: the same prompt and sampling with those params; its NixlConnector pulls
      the blocks and the decode engine streams every output token back.
 
@@ -49,7 +49,7 @@ from typing import Any, Literal, get_args
 import msgspec
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from actors.protocol import EngineChunk, EngineRequest, Role, SamplingOptions
+from actors.protocol import EngineRequest, Role
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide
@@ -89,10 +89,16 @@ class MigrationLimitError(RuntimeError):
     """A request's engines failed more often than routing.max_migrations allows."""
 
 
+class UnresumableError(RuntimeError):
+    """The engine streaming a request failed and the request cannot continue elsewhere."""
+
+
 def is_client_error(err: BaseException) -> bool:
-    """vLLM's own input checks (ValueError/TypeError raised in the engine) are the request's
-    fault: no retry, the client gets a 400."""
-    return isinstance(err, RayTaskError) and isinstance(err.cause, (ValueError, TypeError))
+    """vLLM's own input checks in the engine (its VLLMClientError, ValueError, TypeError) are
+    the request's fault: no retry, no engine marked failed, the client gets a 4xx."""
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(err, RayTaskError) and isinstance(err.cause, (ValueError, TypeError, VLLMClientError))
 
 
 def _as_failure(engine: EngineRef, err: RayError) -> EngineFailure:
@@ -110,11 +116,12 @@ async def stream_engine(
     engine: EngineRef,
     req: EngineRequest,
     on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
-) -> AsyncIterator[EngineChunk]:
-    """Stream an engine actor's chunks; abort the request there if the consumer stops early.
+) -> AsyncIterator[Any]:
+    """Stream an engine actor's vLLM RequestOutputs; abort the request there if the consumer
+    stops early.
 
     Raises EngineFailure when the engine fails (a client error from vLLM's checks is raised
-    as it is). Ends at the finished chunk instead of waiting for Ray's end of stream: that
+    as it is). Ends at the finished output instead of waiting for Ray's end of stream: that
     wait is one more hop on every request. An abort of a prefill that had already finished
     returns its kv_transfer_params, handed to `on_held_kv` to release the held blocks.
     """
@@ -123,9 +130,9 @@ async def stream_engine(
     try:
         try:
             async for ref in engine.handle.generate.remote(req):
-                chunk: EngineChunk = await ref
-                finished = chunk.finished
-                yield chunk
+                out = await ref
+                finished = out.finished
+                yield out
                 if finished:
                     return
         except RayError as err:
@@ -415,7 +422,7 @@ class Router:
             engine = await self._pick(self.pools["prefill"], prompt, exclude)
         return engine
 
-    async def _decide(self, prompt_tokens: int, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace) -> Decision:
+    async def _decide(self, request: EngineRequest, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace) -> Decision:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted."""
         cached = 0.0
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
@@ -424,27 +431,28 @@ class Router:
         picker = self.pools["prefill"]
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())
-        decision, reason = decide(self.routing, prompt_tokens, cached, held_up, busy)
+        decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
+                                  prompt_logprobs=request.sampling.prompt_logprobs is not None)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
         return decision
 
     async def generate(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingOptions,
+        request: EngineRequest,
         trace: RequestTrace,
         *,
         prefill_engine: EngineRef | None = None,
         decode_engine: EngineRef | None = None,
-    ) -> AsyncIterator[EngineChunk]:
-        """Stream the request's output chunks; fills `trace` as it goes.
+    ) -> AsyncIterator[Any]:
+        """Stream the request's vLLM RequestOutputs (deltas, under `request.request_id`, the
+        prompt as the client sent it, the prefilling engine's cache hits); fills `trace`.
 
-        `prefill_engine`/`decode_engine` pin the choice, with no retry or migration
-        (handshake pre-warming uses them to test one pair). Raises NoEngineError or
-        MigrationLimitError when the request cannot be served, EngineFailure when a pinned
-        engine fails.
+        `request` is the request as one engine would run it; the router derives the prefill
+        and output requests from it. `prefill_engine`/`decode_engine` pin the choice, with no
+        retry or migration (handshake pre-warming uses them to test one pair). Raises
+        NoEngineError or MigrationLimitError when the request cannot be served, EngineFailure
+        when a pinned engine fails.
         """
         trace.t_arrival = trace.t_arrival or time.perf_counter()
         self.stats.in_flight += 1
@@ -453,7 +461,7 @@ class Router:
         prompt = None
         if self.cache is not None and (prefill_engine is None or decode_engine is None):  # not pinned
             self.cache.sync()
-            prompt = self.cache.prompt(prompt_token_ids)
+            prompt = self.cache.prompt(request.prompt_token_ids)
         try:
             first = decode_engine
             if self.disaggregated:
@@ -461,16 +469,16 @@ class Router:
                     first = await self._pick(self._output_pool(), prompt)
                 if first is None:
                     self._fall_back(trace, "no_decode_engine")
-                elif prefill_engine is not None or await self._decide(len(prompt_token_ids), prompt, first, trace) == "remote":
+                elif prefill_engine is not None or await self._decide(request, prompt, first, trace) == "remote":
                     phase = "prefill"
-                    kv_params = await self._prefill(request_id, prompt_token_ids, sampling, trace, prefill_engine, prompt)
+                    kv_params = await self._prefill(request, trace, prefill_engine, prompt)
             phase = "handoff"
-            output = self._stream_output(request_id, prompt_token_ids, sampling, trace, kv_params, decode_engine, first, prompt)
+            output = self._stream_output(request, trace, kv_params, decode_engine, first, prompt)
             async with contextlib.aclosing(output):  # a consumer that leaves aborts it now, not at GC
-                async for chunk in output:
+                async for out in output:
                     phase = "decode"
-                    yield chunk
-            if phase == "handoff":  # nothing streamed: the request ended before its first chunk
+                    yield out
+            if phase == "handoff":  # nothing streamed: the request ended before its first output
                 phase = "decode"
         except (GeneratorExit, asyncio.CancelledError):
             _count(self.stats.aborts, phase)
@@ -485,13 +493,7 @@ class Router:
     # ---- prefill ----
 
     async def _prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingOptions,
-        trace: RequestTrace,
-        pinned: EngineRef | None,
-        prompt: PromptKeys | None = None,
+        self, request: EngineRequest, trace: RequestTrace, pinned: EngineRef | None, prompt: PromptKeys | None = None
     ) -> dict[str, Any] | None:
         """Run step 1 of the protocol, retrying on other replicas; None means the decode
         engine must prefill itself (trace.fallback says why)."""
@@ -510,23 +512,23 @@ class Router:
                 picker.acquire(engine, work)
                 try:
                     last = await asyncio.wait_for(
-                        self._prefill_once(engine, f"{request_id}-p{attempt or ''}", prompt_token_ids, sampling),
+                        self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}"),
                         self.routing.prefill_timeout_s,
                     )
                 except asyncio.TimeoutError:
                     reason = "prefill_timeout"
                     logger.warning("prefill of %s on engine %s took over %.1f s; abandoned",
-                                   request_id, engine.engine_id, self.routing.prefill_timeout_s)
+                                   request.request_id, engine.engine_id, self.routing.prefill_timeout_s)
                 except EngineFailure as failure:
                     reason = "prefill_failed"
                     self._engine_failed(failure)
-                    logger.warning("prefill of %s failed: %s", request_id, failure)
+                    logger.warning("prefill of %s failed: %s", request.request_id, failure)
                 else:
                     if last is not None and last.kv_transfer_params:
-                        trace.num_cached_tokens = last.num_cached_tokens
+                        trace.num_cached_tokens = last.num_cached_tokens or 0
                         return last.kv_transfer_params
                     logger.warning("prefill engine %s returned no KV transfer params for %s; decode recomputes",
-                                   engine.engine_id, request_id)
+                                   engine.engine_id, request.request_id)
                     reason = "no_kv_params"
                     break
                 finally:
@@ -539,20 +541,20 @@ class Router:
         self._fall_back(trace, reason)
         return None
 
-    async def _prefill_once(
-        self, engine: EngineRef, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
-    ) -> EngineChunk | None:
-        req = EngineRequest(
-            request_id,
-            prompt_token_ids,
-            msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0),
-            {"do_remote_decode": True},
-            origin=self.origin,
+    async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str) -> Any:
+        """The prefill engine's last output for `request`: one sequence, one token, nothing
+        else computed that the decode engine would not use."""
+        sampling = request.sampling.clone()
+        sampling.n, sampling.max_tokens, sampling.min_tokens = 1, 1, 0
+        sampling.logprobs = sampling.prompt_logprobs = sampling.structured_outputs = None
+        req = msgspec.structs.replace(
+            request, request_id=request_id, sampling=sampling, kv_transfer_params={"do_remote_decode": True},
+            stream_batch_s=0.0, origin=self.origin,
         )
-        last: EngineChunk | None = None
-        async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request_id))) as chunks:
-            async for chunk in chunks:
-                last = chunk
+        last = None
+        async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request.request_id))) as outputs:
+            async for out in outputs:
+                last = out
         return last
 
     def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
@@ -583,15 +585,13 @@ class Router:
 
     async def _stream_output(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingOptions,
+        request: EngineRequest,
         trace: RequestTrace,
         kv_params: dict[str, Any] | None,
         pinned: EngineRef | None,
         first: EngineRef | None = None,
         prompt: PromptKeys | None = None,
-    ) -> AsyncIterator[EngineChunk]:
+    ) -> AsyncIterator[Any]:
         """Stream the output from a decode (or colocated) engine (`first` when already
         chosen), moving to another engine when it fails, from the prompt plus the tokens
         already streamed."""
@@ -599,21 +599,27 @@ class Router:
         if engine is None:
             raise NoEngineError("no healthy engine is left to serve the request; retry once the pools have recovered")
         work = self._claim(engine, prompt)
+        request_id, prompt_ids, sampling = request.request_id, request.prompt_token_ids, request.sampling
         generated: list[int] = []
+        streamed = False
         failed: set[str] = set()
         while True:
             if generated and sampling.max_tokens - len(generated) <= 0:
-                yield EngineChunk("", [], finished=True, finish_reason="length", num_prompt_tokens=len(prompt_token_ids))
+                yield _length_end(request)
                 return
             suffix = f"-m{trace.migrations}" if trace.migrations else ("-d" if self.disaggregated else "")
-            req = EngineRequest(
-                f"{request_id}{suffix}",
-                prompt_token_ids + generated,
-                _continuation(sampling, len(generated)),
-                kv_params,
-                self.stream_batch_s,
-                resume_from=len(prompt_token_ids) if trace.migrations else None,
+            resumed = bool(trace.migrations and generated)
+            req = msgspec.structs.replace(
+                request,
+                request_id=f"{request_id}{suffix}",
+                prompt_token_ids=prompt_ids + generated,
+                sampling=_continuation(sampling, len(generated)),
+                kv_transfer_params=kv_params,
+                stream_batch_s=self.stream_batch_s,
+                resume_from=len(prompt_ids) if resumed else None,
                 origin=self.origin,
+                # The text of a resumed prompt is not the client's prompt: vLLM works from the ids.
+                prompt_fields={k: v for k, v in request.prompt_fields.items() if k != "prompt"} if resumed else request.prompt_fields,
             )
             trace.decode_engine = engine.engine_id
             if trace.t_decode_sent is None:
@@ -621,24 +627,36 @@ class Router:
             serving, picker, serving_work = engine, self.pools[engine.role], work
             picker.acquire(serving, serving_work)
             try:
-                async with contextlib.aclosing(stream_engine(engine, req)) as chunks:
-                    async for chunk in chunks:
-                        if chunk.finish_reason == "error":
+                async with contextlib.aclosing(stream_engine(engine, req)) as outputs:
+                    async for out in outputs:
+                        if any(c.finish_reason == "error" for c in out.outputs):
                             raise EngineFailure(engine, "the engine ended the request with an error", engine_down=False)
-                        if trace.t_first_token is None and chunk.token_ids:
+                        if trace.t_first_token is None and any(c.token_ids for c in out.outputs):
                             trace.t_first_token = time.perf_counter()
-                        if not generated and not trace.migrations and (
+                        if not streamed and not trace.migrations and (
                             not self.disaggregated or trace.fallback or trace.disaggregation == "local"
                         ):
-                            trace.num_cached_tokens = chunk.num_cached_tokens
-                        generated.extend(chunk.token_ids)
-                        yield msgspec.structs.replace(chunk, num_prompt_tokens=len(prompt_token_ids))
+                            trace.num_cached_tokens = out.num_cached_tokens or 0
+                        streamed = True
+                        if sampling.n == 1:
+                            generated.extend(out.outputs[0].token_ids if out.outputs else ())
+                        out.request_id, out.prompt_token_ids = request_id, prompt_ids
+                        out.num_cached_tokens = trace.num_cached_tokens
+                        if resumed:
+                            out.prompt = request.prompt_fields.get("prompt")
+                        yield out
                 return
             except EngineFailure as failure:
                 if pinned is not None:
                     raise
                 self._engine_failed(failure)
                 failed.add(engine.engine_id)
+                if streamed and (why := _unresumable(sampling)):
+                    _count(self.stats.failed, "unresumable")
+                    raise UnresumableError(
+                        f"engine {engine.engine_id} failed while streaming request {request_id} ({failure}); "
+                        f"a request with {why} cannot continue on another engine: retry it"
+                    ) from failure
                 if trace.migrations >= self.routing.max_migrations:
                     raise MigrationLimitError(
                         f"request {request_id} failed on {trace.migrations + 1} engines (last: {failure}); "
@@ -660,12 +678,30 @@ class Router:
                 picker.release(serving, serving_work)
 
 
-def _continuation(sampling: SamplingOptions, num_generated: int) -> SamplingOptions:
+def _continuation(sampling: Any, num_generated: int) -> Any:
     """The sampling settings for the rest of a request that already produced `num_generated` tokens."""
     if num_generated == 0:
         return sampling
-    return msgspec.structs.replace(
-        sampling,
-        max_tokens=sampling.max_tokens - num_generated,
-        min_tokens=max(0, sampling.min_tokens - num_generated),
-    )
+    rest = sampling.clone()
+    rest.max_tokens = sampling.max_tokens - num_generated
+    rest.min_tokens = max(0, sampling.min_tokens - num_generated)
+    return rest
+
+
+def _unresumable(sampling: Any) -> str | None:
+    """Why a request that streamed output cannot go on from its prompt plus that output on
+    another engine: several sequences, or a grammar whose state the new engine would not have."""
+    if sampling.n > 1:
+        return f"n={sampling.n}"
+    if sampling.structured_outputs is not None:
+        return "structured output"
+    return None
+
+
+def _length_end(request: EngineRequest) -> Any:
+    """The last output of a request whose engine failed after its last token but before it
+    said so: the length limit is reached."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    end = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="length")
+    return RequestOutput(request.request_id, request.prompt_fields.get("prompt"), request.prompt_token_ids, None, [end], True)

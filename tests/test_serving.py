@@ -15,7 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+from actors.protocol import EngineRequest
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.job import Running, running
@@ -73,8 +76,8 @@ def metric(m: dict, name: str, **labels: str) -> float:
 
 def reference_tokens(engine: EngineRef, prompt: list[int], max_tokens: int) -> list[int]:
     async def run() -> list[int]:
-        req = EngineRequest(f"ref-{random.random()}", prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        return [t async for c in stream_engine(engine, req) for t in c.token_ids]
+        req = EngineRequest(f"ref-{random.random()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        return [t async for out in stream_engine(engine, req) for t in out.outputs[0].token_ids]
 
     return asyncio.run(run())
 
@@ -207,7 +210,6 @@ BAD_REQUESTS = [
     ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
     ("completions", b'{"model": "tandem-tiny", "prompt": [1, "x"]}', 400, "prompt"),
     ("completions", b'{"model": "tandem-tiny", "prompt": [5000000]}', 400, "vocabulary"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "n": 3}', 400, "n=1"),
     ("completions", b'{"model": "gpt-5", "prompt": "hi"}', 404, "gpt-5"),
     ("chat/completions", b'{"model": "tandem-tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "role"),
     ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": 5000}', 400, "maximum context length"),
@@ -250,7 +252,7 @@ def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef
     import ray
 
     before = ray.get(reference.handle.get_stats.remote()).num_requests_aborted
-    req = EngineRequest("abort-me", [1, 2, 3], SamplingOptions(max_tokens=900, temperature=0.0, ignore_eos=True))
+    req = EngineRequest("abort-me", [1, 2, 3], SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
 
     async def run() -> list:
         chunks = []
@@ -261,16 +263,16 @@ def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef
         return chunks
 
     chunks = asyncio.run(run())
-    assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
-    assert sum(len(c.token_ids) for c in chunks) < 900
+    assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(c.outputs[0].token_ids) for c in chunks) < 900
     assert ray.get(reference.handle.get_stats.remote()).num_requests_aborted == before + 1
 
 
-def stream_batched(engine: EngineRef, prompt: list[int], n: int, batch_s: float) -> tuple[list[EngineChunk], float]:
-    """Stream `n` greedy tokens from `engine` with `stream_batch_s=batch_s`; the chunks and seconds taken."""
+def stream_batched(engine: EngineRef, prompt: list[int], n: int, batch_s: float) -> tuple[list[RequestOutput], float]:
+    """Stream `n` greedy tokens from `engine` with `stream_batch_s=batch_s`; the outputs and seconds taken."""
 
-    async def run() -> tuple[list[EngineChunk], float]:
-        sampling = SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True)
+    async def run() -> tuple[list[RequestOutput], float]:
+        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         req = EngineRequest(f"batched-{random.random()}", prompt, sampling, stream_batch_s=batch_s)
         t0 = time.perf_counter()
         chunks = [c async for c in stream_engine(engine, req)]
@@ -283,13 +285,13 @@ def test_streamed_tokens_may_leave_in_batches_but_unchanged(reference: EngineRef
     """With stream_batch_s the engine holds decoded tokens back and sends several per chunk."""
     prompt, n, batch_s = random_prompt(random.Random(5), 40), 64, 0.2
     chunks, elapsed = stream_batched(reference, prompt, n, batch_s)
-    assert [t for c in chunks for t in c.token_ids] == reference_tokens(reference, prompt, n)
-    assert len(chunks[0].token_ids) == 1, "the first token must not wait for a batch"
+    assert [t for c in chunks for t in c.outputs[0].token_ids] == reference_tokens(reference, prompt, n)
+    assert len(chunks[0].outputs[0].token_ids) == 1, "the first token must not wait for a batch"
     # Chunks leave as they come until one shows text (the first token may be part of a
     # character); after it, each chunk but the last leaves at least batch_s after the one before.
-    shown = next(i for i, c in enumerate(chunks) if c.text)
+    shown = next(i for i, c in enumerate(chunks) if c.outputs[0].text)
     assert len(chunks) - shown <= 2 + elapsed / batch_s, f"{len(chunks)} chunks in {elapsed:.2f} s"
-    assert max(len(c.token_ids) for c in chunks) > 1
+    assert max(len(c.outputs[0].token_ids) for c in chunks) > 1
 
 
 def test_last_tokens_leave_when_decoded_not_at_the_next_batch_tick(reference: EngineRef) -> None:
@@ -299,10 +301,10 @@ def test_last_tokens_leave_when_decoded_not_at_the_next_batch_tick(reference: En
     chunks, elapsed = stream_batched(reference, prompt, n, batch_s)
     # Chunks leave as they come until one shows text (the first token may be part of a
     # character), then everything else in one chunk with the finish.
-    shown = next(i for i, c in enumerate(chunks) if c.text)
-    assert len(chunks) == shown + 2, [c.text for c in chunks]
-    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
-    assert [t for c in chunks for t in c.token_ids] == reference_tokens(reference, prompt, n)
+    shown = next(i for i, c in enumerate(chunks) if c.outputs[0].text)
+    assert len(chunks) == shown + 2, [c.outputs[0].text for c in chunks]
+    assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "length"
+    assert [t for c in chunks for t in c.outputs[0].token_ids] == reference_tokens(reference, prompt, n)
     assert elapsed < batch_s, "the stream's end waited for the batch interval"
 
 
