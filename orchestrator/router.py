@@ -544,18 +544,22 @@ class Router:
     async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str) -> Any:
         """The prefill engine's last output for `request`: one sequence, one token, nothing
         else computed that the decode engine would not use."""
-        sampling = request.sampling.clone()
-        sampling.n, sampling.max_tokens, sampling.min_tokens = 1, 1, 0
-        sampling.logprobs = sampling.prompt_logprobs = sampling.structured_outputs = None
         req = msgspec.structs.replace(
-            request, request_id=request_id, sampling=sampling, kv_transfer_params={"do_remote_decode": True},
+            request, request_id=request_id, sampling=_one_token(request.sampling), kv_transfer_params={"do_remote_decode": True},
             stream_batch_s=0.0, origin=self.origin,
         )
         last = None
-        async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request.request_id))) as outputs:
+        async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request_id))) as outputs:
             async for out in outputs:
                 last = out
         return last
+
+    async def _pull_kv(self, engine: EngineRef, req: EngineRequest) -> None:
+        """Have `engine` pull a prefill's KV into its prefix cache with a one-token request."""
+        pull = msgspec.structs.replace(req, request_id=f"{req.request_id}-pull", sampling=_one_token(req.sampling), stream_batch_s=0.0)
+        async with contextlib.aclosing(stream_engine(engine, pull)) as outputs:
+            async for _ in outputs:
+                pass
 
     def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
         async def release(kv_params: dict[str, Any]) -> None:
@@ -627,6 +631,11 @@ class Router:
             serving, picker, serving_work = engine, self.pools[engine.role], work
             picker.acquire(serving, serving_work)
             try:
+                if req.kv_transfer_params and sampling.n > 1:
+                    # vLLM's decode side would pull the KV once per sequence, and the prefill
+                    # side frees it after the first pull: pull once, the sequences share it.
+                    await self._pull_kv(engine, req)
+                    req = msgspec.structs.replace(req, kv_transfer_params=None)
                 async with contextlib.aclosing(stream_engine(engine, req)) as outputs:
                     async for out in outputs:
                         if any(c.finish_reason == "error" for c in out.outputs):
@@ -686,6 +695,15 @@ def _continuation(sampling: Any, num_generated: int) -> Any:
     rest.max_tokens = sampling.max_tokens - num_generated
     rest.min_tokens = max(0, sampling.min_tokens - num_generated)
     return rest
+
+
+def _one_token(sampling: Any) -> Any:
+    """`sampling` for a request whose only purpose is its KV (a prefill, a pull): one sequence,
+    one token, nothing computed that the output will not use."""
+    one = sampling.clone()
+    one.n, one.max_tokens, one.min_tokens = 1, 1, 0
+    one.logprobs = one.prompt_logprobs = one.structured_outputs = None
+    return one
 
 
 def _unresumable(sampling: Any) -> str | None:

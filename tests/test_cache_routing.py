@@ -20,7 +20,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.protocol import SamplingOptions
+from vllm.sampling_params import SamplingParams
+
+from actors.protocol import EngineRequest
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
 from orchestrator.router import RequestTrace, Router
@@ -125,8 +127,8 @@ def test_evicted_blocks_leave_the_view(pd: Running) -> None:
         router.cache.sync()
 
         async def send(ids: list[int]) -> None:
-            gen = router.generate(f"evict-{ids[0]}-{time.monotonic_ns()}", ids, SamplingOptions(max_tokens=1, temperature=0.0),
-                                  RequestTrace(), prefill_engine=prefills[0], decode_engine=decode)
+            req = EngineRequest(f"evict-{ids[0]}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+            gen = router.generate(req, RequestTrace(), prefill_engine=prefills[0], decode_engine=decode)
             async for _ in gen:
                 pass
 

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import ray
 
-from actors.protocol import EngineRequest, SamplingOptions
+from vllm.sampling_params import SamplingParams
+
+from actors.protocol import EngineRequest
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 
@@ -42,9 +44,9 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 
 async def _generate(handle: Any, request_id: str, tokens: list[int]) -> list[int]:
     out: list[int] = []
-    req = EngineRequest(request_id, tokens, SamplingOptions(max_tokens=8, temperature=0.0))
+    req = EngineRequest(request_id, tokens, SamplingParams(max_tokens=8, temperature=0.0))
     async for ref in handle.generate.remote(req):
-        out += (await ref).token_ids
+        out += (await ref).outputs[0].token_ids
     return out
 
 

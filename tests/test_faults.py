@@ -399,7 +399,9 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
     the decode engine never sees the request, and the prefill's blocks would stay held for
     NIXL's whole lease. The router's abort carries the prefill's answer; the decode engine,
     having never started that request, releases the blocks itself."""
-    from actors.protocol import EngineRequest, SamplingOptions
+    from vllm.sampling_params import SamplingParams
+
+    from actors.protocol import EngineRequest
 
     engines = pd.deployment.routing_engines()
     prefill = next(e for e in engines if e.role == "prefill")
@@ -407,7 +409,7 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
 
     async def prefill_only() -> dict[str, Any]:
         req = EngineRequest("cancelled-before-start-p", [20 + k % 400 for k in range(300)],
-                            SamplingOptions(max_tokens=1, temperature=0), {"do_remote_decode": True})
+                            SamplingParams(max_tokens=1, temperature=0), {"do_remote_decode": True})
         chunks = [await ref async for ref in prefill.handle.generate.remote(req)]
         assert chunks[-1].kv_transfer_params, chunks[-1]
         return chunks[-1].kv_transfer_params

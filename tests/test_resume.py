@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from actors.protocol import SamplingOptions
+from vllm.sampling_params import SamplingParams
 from actors.resume import ResumedText
 
 
@@ -22,12 +22,11 @@ def tokenizer(tiny_model: Path) -> Any:
 
 
 def undisturbed(
-    tokenizer: Any, prompt: list[int], output: list[int], sampling: SamplingOptions, finished: bool = True
+    tokenizer: Any, prompt: list[int], output: list[int], sampling: SamplingParams, finished: bool = True
 ) -> tuple[str, list[int]]:
     """The text and tokens vLLM's detokenizer streams for `output` of one uninterrupted request
     (all of it when the request finished; while it runs, the tail a stop string may still
     claim is held back)."""
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
     params = SamplingParams(max_tokens=len(output), stop=sampling.stop or None, min_tokens=sampling.min_tokens)
@@ -43,7 +42,7 @@ def undisturbed(
     return text + detok.get_next_output_text(finished, True), detok.output_token_ids
 
 
-def resumed_text(tokenizer: Any, prompt: list[int], output: list[int], cut: int, sampling: SamplingOptions) -> tuple[str, list[int]]:
+def resumed_text(tokenizer: Any, prompt: list[int], output: list[int], cut: int, sampling: SamplingParams) -> tuple[str, list[int]]:
     """What the client sees when the first engine streamed output[:cut] and died."""
     first, _ = undisturbed(tokenizer, prompt, output[:cut], sampling, finished=False)
     rest = ResumedText(tokenizer, prompt, output[:cut], sampling)
@@ -65,15 +64,15 @@ def test_resumed_text_equals_the_undisturbed_text_at_any_cut(tokenizer: Any) -> 
     for _ in range(200):
         output = [rng.randrange(3, len(tokenizer)) for _ in range(30)]
         cut = rng.randrange(1, 29)
-        expected, _ = undisturbed(tokenizer, prompt, output, SamplingOptions(max_tokens=30))
-        got, _ = resumed_text(tokenizer, prompt, output, cut, SamplingOptions(max_tokens=30 - cut))
+        expected, _ = undisturbed(tokenizer, prompt, output, SamplingParams(max_tokens=30))
+        got, _ = resumed_text(tokenizer, prompt, output, cut, SamplingParams(max_tokens=30 - cut))
         assert got == expected, f"cut at {cut}"
 
 
 def test_a_stop_string_spanning_the_cut_ends_the_resumed_request(tokenizer: Any) -> None:
     prompt = tokenizer.encode("hello")
     output = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
-    sampling = SamplingOptions(max_tokens=len(output), stop=["brown fox"])
+    sampling = SamplingParams(max_tokens=len(output), stop=["brown fox"])
     expected, expected_tokens = undisturbed(tokenizer, prompt, output, sampling)
     cut = next(i for i in range(1, len(output)) if "brown" in tokenizer.decode(output[:i]))
     got, kept = resumed_text(tokenizer, prompt, output, cut, sampling)

@@ -12,7 +12,10 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from actors.protocol import EngineChunk, EngineRequest, SamplingOptions
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+from actors.protocol import EngineRequest
 from orchestrator.config import RoutingConfig
 from orchestrator.protocol import EngineRef
 from orchestrator.router import (
@@ -23,9 +26,10 @@ from orchestrator.router import (
     Router,
     stream_engine,
 )
+from tests.outputs import output, tokens
 
-REQ = EngineRequest("r-1", [1, 2, 3], SamplingOptions(max_tokens=2))
-CHUNKS = [EngineChunk("a", [5]), EngineChunk("b", [6], finished=True, finish_reason="length")]
+REQ = EngineRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=2))
+CHUNKS = [output("a", [5]), output("b", [6], finished=True, finish_reason="length")]
 
 
 def _done(value: Any) -> asyncio.Future:
@@ -48,7 +52,7 @@ class SilentEndEngine:
         self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
         for chunk in CHUNKS:
             yield _done(chunk)
         await asyncio.Event().wait()
@@ -61,7 +65,7 @@ class SilentEndEngine:
 def test_the_stream_ends_at_the_finished_chunk_without_waiting_for_ray_end_of_stream() -> None:
     handle = SilentEndEngine()
 
-    async def collect() -> list[EngineChunk]:
+    async def collect() -> list[RequestOutput]:
         return [c async for c in stream_engine(EngineRef("e", "decode", handle), REQ)]
 
     assert asyncio.run(asyncio.wait_for(collect(), timeout=10)) == CHUNKS
@@ -89,20 +93,20 @@ class RecordingEngine:
         self.generate = _Method(self._generate)
         self.abort = _Method(lambda request_id, kv_params=None: _done(None))
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
         self.requests.append(req)
         params = {"remote_engine_id": "p"} if req.kv_transfer_params == {"do_remote_decode": True} else None
-        yield _done(EngineChunk("x", [7], finished=True, finish_reason="length", kv_transfer_params=params))
+        yield _done(output("x", [7], finished=True, finish_reason="length", kv_transfer_params=params))
 
 
 def test_only_the_streaming_request_may_batch_tokens() -> None:
     prefill, decode = RecordingEngine(), RecordingEngine()
     router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"), stream_batch_s=0.02)
 
-    async def run() -> list[EngineChunk]:
-        return [c async for c in router.generate("r-2", [1, 2, 3], SamplingOptions(max_tokens=4), RequestTrace())]
+    async def run() -> list[RequestOutput]:
+        return [c async for c in router.generate(EngineRequest("r-2", [1, 2, 3], SamplingParams(max_tokens=4)), RequestTrace())]
 
-    assert [c.token_ids for c in asyncio.run(run())] == [[7]]
+    assert [c.outputs[0].token_ids for c in asyncio.run(run())] == [[7]]
     (p,), (d,) = prefill.requests, decode.requests
     # The prefill answers with a single token: holding it back would only delay the decode.
     assert p.stream_batch_s == 0.0 and p.sampling.max_tokens == 1
@@ -135,7 +139,7 @@ class FakeEngine:
     def ref(self, role: str, incarnation: str = "i0") -> EngineRef:
         return EngineRef(self.name, role, self, incarnation)  # type: ignore[arg-type]
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
         self.requests.append(req)
         if self.reject:
             raise RayTaskError("generate", "traceback", ValueError("prompt too long"))
@@ -143,7 +147,7 @@ class FakeEngine:
             await asyncio.Event().wait()
         n = len(req.prompt_token_ids)
         if req.kv_transfer_params == {"do_remote_decode": True}:
-            yield _done(EngineChunk("p", [1000 + n], finished=True, finish_reason="length",
+            yield _done(output("p", [1000 + n], finished=True, finish_reason="length",
                                     kv_transfer_params={"remote_engine_id": self.name}))
             return
         for i in range(req.sampling.max_tokens):
@@ -151,9 +155,9 @@ class FakeEngine:
                 raise ActorDiedError()
             last = i == req.sampling.max_tokens - 1
             if last and self.error_finish:
-                yield _done(EngineChunk("", [], finished=True, finish_reason="error"))
+                yield _done(output("", [], finished=True, finish_reason="error"))
                 return
-            yield _done(EngineChunk(f"t{1000 + n + i}", [1000 + n + i], finished=last,
+            yield _done(output(f"t{1000 + n + i}", [1000 + n + i], finished=last,
                                     finish_reason="length" if last else None))
             await asyncio.sleep(0)
 
@@ -175,9 +179,9 @@ def routed(engines: list[EngineRef], **routing: Any) -> tuple[Router, list[Any]]
     return Router(engines, RoutingConfig(**routing), report_failure=reports.append), reports
 
 
-def run(router: Router, max_tokens: int = 8, trace: RequestTrace | None = None) -> list[EngineChunk]:
-    async def go() -> list[EngineChunk]:
-        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=max_tokens, temperature=0.0), trace or RequestTrace())
+def run(router: Router, max_tokens: int = 8, trace: RequestTrace | None = None) -> list[RequestOutput]:
+    async def go() -> list[RequestOutput]:
+        gen = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0)), trace or RequestTrace())
         return [c async for c in gen]
 
     return asyncio.run(asyncio.wait_for(go(), timeout=30))
@@ -185,10 +189,6 @@ def run(router: Router, max_tokens: int = 8, trace: RequestTrace | None = None) 
 
 def nonzero(counts: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
-
-
-def tokens(chunks: list[EngineChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
 
 
 def test_least_outstanding_never_picks_an_engine_whose_process_failed() -> None:
@@ -261,7 +261,7 @@ def test_a_decode_engine_dying_mid_stream_hands_the_rest_to_another_decode_repli
     trace = RequestTrace()
     chunks = run(router, trace=trace)
     assert tokens(chunks) == UNDISTURBED  # no token repeated or lost
-    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "length"
     resumed = d1.requests[0]
     assert resumed.prompt_token_ids == PROMPT + UNDISTURBED[:3] and resumed.resume_from == len(PROMPT)
     assert resumed.sampling.max_tokens == 5 and resumed.kv_transfer_params is None
@@ -280,8 +280,8 @@ def test_a_request_the_engine_ends_with_an_error_moves_instead_of_returning_it()
     p, d0, d1 = FakeEngine("p"), FakeEngine("d0", error_finish=True), FakeEngine("d1")
     router, reports = routed([p.ref("prefill"), d0.ref("decode"), d1.ref("decode")], policy="round_robin")
     chunks = run(router)
-    assert tokens(chunks) == UNDISTURBED and chunks[-1].finish_reason == "length"
-    assert all(c.finish_reason != "error" for c in chunks)
+    assert tokens(chunks) == UNDISTURBED and chunks[-1].outputs[0].finish_reason == "length"
+    assert all(c.outputs[0].finish_reason != "error" for c in chunks)
     assert [r.engine_down for r in reports] == [False]  # the engine may be fine: checked, not skipped
 
 
@@ -304,7 +304,7 @@ def test_no_engine_left_is_a_clear_error_not_a_hang() -> None:
 def _consume_until(router: Router, stop_after: int) -> None:
     """Read `stop_after` chunks of a request, then leave (close the stream)."""
     async def go() -> None:
-        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=8, temperature=0.0), RequestTrace())
+        gen = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8, temperature=0.0)), RequestTrace())
         for _ in range(stop_after):
             await anext(gen)
         await gen.aclose()
@@ -325,7 +325,7 @@ def test_a_client_leaving_during_prefill_aborts_it_and_releases_kv_it_already_he
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
 
     async def go() -> None:
-        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=8), RequestTrace())
+        gen = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8)), RequestTrace())
         task = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0.05)
         task.cancel()  # the client's connection task is cancelled mid-prefill
@@ -345,7 +345,7 @@ def test_a_client_leaving_before_the_first_token_aborts_the_decode_request_that_
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
 
     async def go() -> None:
-        gen = router.generate("r", PROMPT, SamplingOptions(max_tokens=8), RequestTrace())
+        gen = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8)), RequestTrace())
         task = asyncio.ensure_future(anext(gen))
         await asyncio.sleep(0.05)
         task.cancel()

@@ -13,15 +13,18 @@ from typing import Any
 
 import msgspec
 import pytest
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
 
 from actors.kv_events import KVEventFollower, PrefixHasher, as_key
-from actors.protocol import CacheUpdate, EngineChunk, EngineRequest, SamplingOptions
+from actors.protocol import CacheUpdate, EngineRequest
 from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
 from orchestrator.disaggregation import decide
 from orchestrator.protocol import EngineRef
 from orchestrator.router import RequestTrace, Router
 from orchestrator.scoring import EngineFacts, choose, score, tier_tokens
+from tests.outputs import output
 
 BLOCK = 16
 SEED = "vllm-none-hash"
@@ -218,20 +221,20 @@ class CachingEngine:
         by_origin = self.requests_by_origin
         return CacheUpdate("i0", 1, True, sorted(self.held), [], sum(by_origin.values()), 0, 0.0, dict(by_origin))
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[EngineChunk]]:
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
         self.requests.append(req)
         params = {"remote_engine_id": self.name} if req.kv_transfer_params == {"do_remote_decode": True} else None
         keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
         cached = next((i for i, k in enumerate(keys) if k not in self.held), len(keys)) * BLOCK
-        yield _done(EngineChunk("x", [7], finished=True, finish_reason="length",
-                                num_cached_tokens=cached, kv_transfer_params=params))
+        yield _done(output("x", [7], finished=True, finish_reason="length",
+                           num_cached_tokens=cached, kv_transfer_params=params))
 
 
-def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[EngineChunk]:
-    async def go() -> list[EngineChunk]:
+def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[RequestOutput]:
+    async def go() -> list[RequestOutput]:
         router.cache.sync()  # type: ignore[union-attr]
         await asyncio.sleep(0.05)  # the view's first long-poll answers
-        out = [c async for c in router.generate("r", prompt, SamplingOptions(max_tokens=1), trace)]
+        out = [c async for c in router.generate(EngineRequest("r", prompt, SamplingParams(max_tokens=1)), trace)]
         await router.cache.close()  # type: ignore[union-attr]
         return out
 
