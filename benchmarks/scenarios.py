@@ -185,11 +185,13 @@ def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -
 
 
 def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server` for a colocated config's one engine."""
+    """`python -m vllm.entrypoints.openai.api_server` for a colocated config's one engine, with
+    the front-end flags Tandem's ingress runs (orchestrator.openai_app.frontend_args)."""
     if cfg.colocated is None:
         raise ValueError("a plain vLLM server stands for one colocated engine; build its config with scenario_config")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--served-model-name", cfg.model.name, "--host", "127.0.0.1", "--port", str(cfg.serve.port)]
+           "--served-model-name", cfg.model.name, "--host", "127.0.0.1", "--port", str(cfg.serve.port),
+           "--enable-prompt-tokens-details", *cfg.serve.openai_args]
     if cfg.colocated.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(cfg.colocated.tensor_parallel_size)]
     for key, value in cfg.engine_args_for("both").items():

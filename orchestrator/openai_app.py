@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orchestrator.config import TandemConfig
+from orchestrator.config import ConfigError, TandemConfig
 
 # A client's own request id (header X-Request-Id, as vLLM's server takes it): it names the
 # request in every engine's logs, so it must be short and printable.
@@ -33,26 +33,36 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def frontend_args(cfg: TandemConfig, model_path: str, vllm_config: Any) -> argparse.Namespace:
+def parse_frontend_args(cfg: TandemConfig, model: str) -> argparse.Namespace:
     """`vllm serve`'s parsed arguments for the front end: the served model, usage with cached
-    tokens, and `serve.openai_args`. The reasoning parser is the engines' own."""
+    tokens, and `serve.openai_args`; a ConfigError naming the field when vLLM refuses them."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = ["--model", model_path, "--served-model-name", cfg.model.name, "--enable-prompt-tokens-details",
+    argv = ["--model", model, "--served-model-name", cfg.model.name, "--enable-prompt-tokens-details",
             *cfg.serve.openai_args]
     try:
-        args = make_arg_parser(FlexibleArgumentParser(exit_on_error=False)).parse_args(argv)
+        args, unknown = make_arg_parser(FlexibleArgumentParser(exit_on_error=False)).parse_known_args(argv)
+        if unknown:
+            raise ValueError(f"unknown flags {unknown}")
         validate_parsed_serve_args(args)
-    except (argparse.ArgumentError, SystemExit, TypeError, ValueError) as err:
-        raise ValueError(f"serve.openai_args {cfg.serve.openai_args!r} are not valid `vllm serve` flags: {err}") from None
+    except (argparse.ArgumentError, TypeError, ValueError) as err:
+        raise ConfigError(f"`serve.openai_args` {cfg.serve.openai_args!r} are not valid `vllm serve` front-end flags "
+                          f"({err}); fix: see `vllm serve --help=Frontend`") from None
+    return args
+
+
+def frontend_args(cfg: TandemConfig, model_path: str, vllm_config: Any) -> argparse.Namespace:
+    """The front end's arguments (parse_frontend_args) with the engines' structured-output
+    settings, which carry the reasoning parser."""
+    args = parse_frontend_args(cfg, model_path)
     args.structured_outputs_config = vllm_config.structured_outputs_config
     return args
 
 
 class RequestGate:
-    """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length, or while it
-    streams in when it has none), 400 for a malformed X-Request-Id; both before any parsing.
+    """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length, or as it is read
+    when it has none), 400 for a malformed X-Request-Id; both before any parsing.
     `count(path, status)` sees every answer's status."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, count: Callable[[str, int], None]) -> None:
@@ -74,31 +84,29 @@ class RequestGate:
             await self._refuse(send, 413, self._too_large())
             self.count(path, 413)
             return
-        seen = 0
-        started = False
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+        if not length.isdigit() and scope["method"] in ("POST", "PUT", "PATCH"):
+            # No Content-Length (a chunked body): read it here, at most one byte over the cap,
+            # then hand what was read to the app.
+            parts, size, more = [], 0, True
+            while more and size <= self.max_bytes:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await self._refuse(send, 413, self._too_large())
+                self.count(path, 413)
+                return
+            receive = _replay(b"".join(parts), receive)
 
         async def tracked(message: Message) -> None:
-            nonlocal started
             if message["type"] == "http.response.start":
-                started = True
                 self.count(path, message["status"])
             await send(message)
 
-        try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send, 413, self._too_large())
-                self.count(path, 413)
+        await self.app(scope, receive, tracked)
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's limit of {self.max_bytes} bytes "
@@ -110,8 +118,19 @@ class RequestGate:
         await JSONResponse(error_body(status, message, kind, param), status_code=status)({"type": "http"}, _no_body, send)
 
 
-class _TooLarge(Exception):
-    pass
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """An ASGI receive that gives the already read `body` first, then the client's own
+    messages (its disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
 
 
 async def _no_body() -> Message:

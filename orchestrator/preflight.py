@@ -63,9 +63,17 @@ def check_connectors(cfg: TandemConfig) -> None:
             raise ConfigError(str(err)) from None
 
 
+def check_openai_args(cfg: TandemConfig) -> None:
+    """The ingress's `vllm serve` front-end flags parse (a bad one would fail every replica)."""
+    from orchestrator.openai_app import parse_frontend_args
+
+    parse_frontend_args(cfg, cfg.model.source)
+
+
 def preflight(cfg: TandemConfig) -> None:
     """Every check, cheapest first; raises ConfigError on the first problem."""
     check_model(cfg)
     check_pools(cfg)
     check_engine_args(cfg)
+    check_openai_args(cfg)
     check_connectors(cfg)

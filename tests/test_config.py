@@ -140,3 +140,18 @@ def test_validate_cli_rejects_broken_configs(tmp_path: Path, text: str, expected
     assert res.returncode == 2
     assert expected in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--no-such-flag"], "unknown flags"),
+    (["--enable-auto-tool-choice"], "requires --tool-call-parser"),
+    (["--tool-call-parser"], "expected one argument"),
+])
+def test_preflight_names_bad_openai_front_end_flags(flags: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match="serve.openai_args") as err:
+        preflight(parse_config({"serve": {"openai_args": flags}}))
+    assert needle in str(err.value)
+
+
+def test_preflight_accepts_vllm_front_end_flags() -> None:
+    preflight(parse_config({"serve": {"openai_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]}}))

@@ -13,7 +13,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from actors.protocol import EngineRequest
 from orchestrator.config import RoutingConfig
@@ -24,6 +24,7 @@ from orchestrator.router import (
     NoEngineError,
     RequestTrace,
     Router,
+    UnresumableError,
     stream_engine,
 )
 from tests.outputs import output, tokens
@@ -111,6 +112,53 @@ def test_only_the_streaming_request_may_batch_tokens() -> None:
     # The prefill answers with a single token: holding it back would only delay the decode.
     assert p.stream_batch_s == 0.0 and p.sampling.max_tokens == 1
     assert d.stream_batch_s == 0.02 and d.kv_transfer_params == {"remote_engine_id": "p"}
+
+
+def test_the_prefill_computes_one_token_of_one_sequence_and_nothing_else() -> None:
+    prefill, decode = RecordingEngine(), RecordingEngine()
+    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"))
+    sampling = SamplingParams(max_tokens=9, temperature=0.7, seed=3, logprobs=2, n=1,
+                              structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+
+    async def run() -> None:
+        async for _ in router.generate(EngineRequest("r-3", [1, 2, 3], sampling), RequestTrace()):
+            pass
+
+    asyncio.run(run())
+    (p,), (d,) = prefill.requests, decode.requests
+    assert (p.sampling.max_tokens, p.sampling.n, p.sampling.logprobs, p.sampling.structured_outputs) == (1, 1, None, None)
+    assert d.sampling is sampling  # the decode runs the request as the client asked
+    assert sampling.max_tokens == 9 and sampling.logprobs == 2  # the client's settings are not touched
+
+
+def test_several_sequences_pull_the_kv_once_then_share_it() -> None:
+    """vLLM's decode side would pull the prefill's blocks once per sequence, and the prefill
+    side frees them after the first pull: the router pulls once, the sequences share it."""
+    prefill, decode = RecordingEngine(), RecordingEngine()
+    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"))
+
+    async def run() -> None:
+        async for _ in router.generate(EngineRequest("r-4", [1, 2, 3], SamplingParams(max_tokens=5, n=3, temperature=1.0)), RequestTrace()):
+            pass
+
+    asyncio.run(run())
+    assert len(prefill.requests) == 1
+    pull, sequences = decode.requests
+    assert pull.kv_transfer_params == {"remote_engine_id": "p"} and pull.sampling.n == 1 and pull.sampling.max_tokens == 1
+    assert sequences.kv_transfer_params is None and sequences.sampling.n == 3
+
+
+def test_a_request_that_needs_prompt_logprobs_is_prefilled_where_it_streams() -> None:
+    prefill, decode = RecordingEngine(), RecordingEngine()
+    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"))
+
+    async def run() -> None:
+        async for _ in router.generate(EngineRequest("r-5", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1)), RequestTrace()):
+            pass
+
+    asyncio.run(run())
+    assert prefill.requests == [] and decode.requests[0].kv_transfer_params is None
+    assert {k: v for k, v in router.stats.decisions.items() if v} == {"local:prompt_logprobs": 1}
 
 
 # ---- failover and cancellation against fake engines ------------------------------------
@@ -283,6 +331,20 @@ def test_a_request_the_engine_ends_with_an_error_moves_instead_of_returning_it()
     assert tokens(chunks) == UNDISTURBED and chunks[-1].outputs[0].finish_reason == "length"
     assert all(c.outputs[0].finish_reason != "error" for c in chunks)
     assert [r.engine_down for r in reports] == [False]  # the engine may be fine: checked, not skipped
+
+
+def test_a_structured_request_that_lost_its_engine_mid_stream_fails_instead_of_resuming() -> None:
+    """The next engine would not have the grammar's state: a continuation could break it."""
+    p, d0, d1 = FakeEngine("p"), FakeEngine("d0", die_after=3), FakeEngine("d1")
+    router, _ = routed([p.ref("prefill"), d0.ref("decode"), d1.ref("decode")], policy="round_robin")
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+
+    async def go() -> list[RequestOutput]:
+        return [c async for c in router.generate(EngineRequest("r", PROMPT, sampling), RequestTrace())]
+
+    with pytest.raises(UnresumableError, match="structured output"):
+        asyncio.run(go())
+    assert d1.requests == [] and nonzero(router.stats.failed) == {"unresumable": 1}
 
 
 def test_migrations_stop_at_the_limit_with_a_clear_error() -> None:

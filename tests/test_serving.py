@@ -109,7 +109,7 @@ def test_completion_with_usage(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=7, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert r.object == "text_completion"
     assert r.usage.completion_tokens == 7
-    assert r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"])
+    assert r.usage.prompt_tokens == len(r.choices[0].model_extra["prompt_token_ids"])
     assert len(r.choices[0].model_extra["token_ids"]) == 7
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].text
@@ -194,37 +194,8 @@ def test_decode_engine_loads_the_prompt_over_nixl(pd: Running, client: openai.Op
     assert delta("tandem_fallbacks_total") == 0
 
 
-# ---- criterion 5: bad input gets a 4xx and the server keeps serving ------------------------------
-
-
-BAD_REQUESTS = [
-    ("completions", b"{not json", 400, "not valid JSON"),
-    ("completions", b"", 400, "empty"),
-    ("completions", b'{"model": "tandem-tiny"}', 400, "prompt"),
-    ("chat/completions", b'{"model": "tandem-tiny"}', 400, "messages"),
-    ("chat/completions", b'{"model": "tandem-tiny", "messages": []}', 400, "messages"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": -5}', 400, "max_tokens"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": 42}', 400, "prompt"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": [1, "x"]}', 400, "prompt"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": [5000000]}', 400, "vocabulary"),
-    ("completions", b'{"model": "gpt-5", "prompt": "hi"}', 404, "gpt-5"),
-    ("chat/completions", b'{"model": "tandem-tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "role"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": "hi", "max_tokens": 5000}', 400, "maximum context length"),
-    ("completions", b'{"model": "tandem-tiny", "prompt": ' + str(list(range(3, 403)) * 3).encode() + b"}", 400, "maximum context length"),
-]
-
-
-@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD_REQUESTS, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_REQUESTS)])
-def test_bad_input_gets_a_clear_4xx(pd: Running, client: openai.OpenAI, path: str, body: bytes, status: int, needle: str) -> None:
-    r = httpx.post(f"{pd.url}/{path}", content=body, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert needle in err["message"] or needle == err["param"], err
-    ok = client.completions.create(model=MODEL, prompt="still serving?", max_tokens=2, temperature=0)
-    assert ok.usage.completion_tokens >= 1
+# ---- criterion 5: bad input gets a 4xx (every shape is checked against vLLM's own server in
+# tests/test_openai_parity.py) ------------------------------------------------------------------
 
 
 def test_bad_input_is_an_openai_client_error(client: openai.OpenAI) -> None:
