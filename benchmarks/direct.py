@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from benchmarks.loadgen import RunConfig, RunResult, _measure, arrival_times, environment, metric_deltas, request_body, scrape_metrics
+from benchmarks.loadgen import RunConfig, RunResult, arrival_times, environment, measure, metric_deltas, request_body, scrape_metrics
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO, RequestResult, summarize
 from benchmarks.workloads import BenchRequest, WorkloadSpec
@@ -29,7 +29,7 @@ DIRECT_URL = "ray://engine-actors"  # stands in for base_url in a direct run's R
 
 
 class DirectSender:
-    """Quacks like the load generator's HTTP sender; each request goes through a local Router."""
+    """A load-generator `Sender` whose requests go through a local Router instead of HTTP."""
 
     def __init__(self, router: Router, tokenizer: Any, config: RunConfig, progress: tqdm) -> None:
         self.router = router
@@ -117,7 +117,7 @@ async def run_direct(
     with tqdm(total=len(requests), desc=label, unit="req") as bar:
         sender = DirectSender(router, tokenizer, config, bar)
         before = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
-        results, elapsed, host_cpu, server_cpu = await _measure(sender, requests, schedule, duration_s, cpu_meter)  # type: ignore[arg-type]
+        results, elapsed, host_cpu, server_cpu = await measure(sender, requests, schedule, duration_s, cpu_meter)
         after = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
     return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu), sender.traces

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 import msgspec
@@ -274,6 +274,16 @@ def request_body(config: RunConfig, request: BenchRequest, extra_body: dict[str,
     }
 
 
+class Sender(Protocol):
+    """What `measure` drives: the HTTP sender here, or benchmarks.direct's router sender."""
+
+    async def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    async def send(self, request: BenchRequest, index: int, run_start: float) -> RequestResult: ...
+
+
 class _Sender:
     """Sends requests with a shared client, body template, timeout and concurrency cap."""
 
@@ -398,8 +408,8 @@ async def run_load(
             await _warm_up(sender, requests[:warmup])
             bar.reset()
             before = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
-            started = time.time()  # _measure starts its clock first thing: microseconds apart
-            results, elapsed, host_cpu, server_cpu = await _measure(sender, measured, schedule, duration_s, cpu_meter, stop)
+            started = time.time()  # measure starts its clock first thing: microseconds apart
+            results, elapsed, host_cpu, server_cpu = await measure(sender, measured, schedule, duration_s, cpu_meter, stop)
             after = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
     return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu, started=started)
@@ -427,8 +437,8 @@ def host_cpu_between(before: Sequence[int] | None, after: Sequence[int] | None) 
     return HostCpu(busy=(total - d[3] - d[4]) / total, steal=d[7] / total)
 
 
-async def _measure(
-    sender: _Sender,
+async def measure(
+    sender: Sender,
     requests: Sequence[BenchRequest],
     schedule: Sequence[float],
     duration_s: float | None,
