@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterable
+from contextvars import ContextVar
 from typing import Any
 
 from vllm.engine.protocol import EngineClient
@@ -43,6 +44,17 @@ logger = logging.getLogger("tandem.engine_client")
 
 # The keyword arguments of AsyncLLM.generate that travel to the engine as they are.
 FORWARDED = ("priority", "trace_headers", "reasoning_ended", "reasoning_parser_kwargs")
+
+
+class Arrival:
+    """Whether an HTTP request reached the router: one per request, set by the HTTP layer
+    (openai_app.RequestGate) in REACHED_ROUTER, so a client that leaves earlier (while vLLM
+    renders its request) is still counted as aborted, in phase "queued"."""
+
+    routed = False
+
+
+REACHED_ROUTER: ContextVar[Arrival | None] = ContextVar("tandem_reached_router", default=None)
 # What a routed request can fail with once it is under way: the service's fault, retryable.
 SERVICE_ERRORS = (NoEngineError, MigrationLimitError, UnresumableError, EngineFailure)
 
@@ -92,6 +104,8 @@ class TandemEngineClient(EngineClient):
             prompt_fields={k: v for k, v in prompt.items() if k in ("prompt", "cache_salt") and v is not None},
             generate_kwargs={k: passed[k] for k in FORWARDED if passed[k]},
         )
+        if (arrival := REACHED_ROUTER.get()) is not None:
+            arrival.routed = True
         trace = RequestTrace()
         kind = sampling_params.output_kind
         merged: RequestOutput | None = None

@@ -12,6 +12,7 @@ pools instead of one engine.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.config import ConfigError, TandemConfig
+from orchestrator.engine_client import REACHED_ROUTER, Arrival
 
 # A client's own request id (header X-Request-Id, as vLLM's server takes it): it names the
 # request in every engine's logs, so it must be short and printable.
@@ -63,10 +65,12 @@ def frontend_args(cfg: TandemConfig, model_path: str, vllm_config: Any) -> argpa
 class RequestGate:
     """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length, or as it is read
     when it has none), 400 for a malformed X-Request-Id; both before any parsing.
-    `count(path, status)` sees every answer's status."""
+    `count(path, status)` sees every answer's status; `left_early()` every client that left
+    before its request reached the router."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, count: Callable[[str, int], None]) -> None:
-        self.app, self.max_bytes, self.count = app, max_bytes, count
+    def __init__(self, app: ASGIApp, max_bytes: int, count: Callable[[str, int], None],
+                 left_early: Callable[[], None]) -> None:
+        self.app, self.max_bytes, self.count, self.left_early = app, max_bytes, count, left_early
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,7 +110,16 @@ class RequestGate:
                 self.count(path, message["status"])
             await send(message)
 
-        await self.app(scope, receive, tracked)
+        arrival = Arrival()
+        reset = REACHED_ROUTER.set(arrival)
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not arrival.routed:
+                self.left_early()
+            raise
+        finally:
+            REACHED_ROUTER.reset(reset)
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's limit of {self.max_bytes} bytes "
@@ -143,6 +156,7 @@ def build_app(
     health: Callable[[], Awaitable[Response]],
     metrics: Callable[[], Awaitable[Response]],
     count: Callable[[str, int], None],
+    left_early: Callable[[], None],
 ) -> FastAPI:
     """vLLM's generative routes, exception handlers and middleware (API keys, CORS), Tandem's
     /health and /metrics, the request gate outermost."""
@@ -162,5 +176,5 @@ def build_app(
     init_exception_handler(app)
     # No generate task here: vLLM's elastic-EP scaling middleware has nothing to scale.
     init_entrypoints_middleware(args, app, ())
-    app.add_middleware(RequestGate, max_bytes=cfg.serve.max_request_bytes, count=count)
+    app.add_middleware(RequestGate, max_bytes=cfg.serve.max_request_bytes, count=count, left_early=left_early)
     return app

@@ -83,7 +83,8 @@ class OpenAIIngress:
         vllm_config = await table.engines[0].handle.vllm_config.remote()
         self.client = TandemEngineClient(vllm_config, self.router, self.metrics.observe_trace)
         vllm_args = frontend_args(self.cfg, resolve_local(self.cfg.model.source), vllm_config)
-        self.api = build_app(self.cfg, vllm_args, self.health, self.metrics_page, self._count)
+        self.api = build_app(self.cfg, vllm_args, self.health, self.metrics_page, self._count,
+                             lambda: self.router.note_abort("queued"))
         await init_app_state(self.client, self.api.state, vllm_args, SUPPORTED_TASKS)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
