@@ -47,11 +47,16 @@ FORWARDED = ("priority", "trace_headers", "reasoning_ended", "reasoning_parser_k
 
 
 class Arrival:
-    """Whether an HTTP request reached the router: one per request, set by the HTTP layer
-    (openai_app.RequestGate) in REACHED_ROUTER, so a client that leaves earlier (while vLLM
-    renders its request) is still counted as aborted, in phase "queued"."""
+    """One HTTP request as the HTTP layer (openai_app.RequestGate) sees it, set in
+    REACHED_ROUTER: whether it reached the router (a client that leaves earlier, while vLLM
+    renders its request, is counted as aborted in phase "queued"), and the tasks consuming its
+    routed streams. vLLM runs a non-streaming handler in a task of its own that Serve's
+    cancellation of the request does not reach; the gate cancels these tasks, which aborts the
+    request on its engines."""
 
-    routed = False
+    def __init__(self) -> None:
+        self.routed = False
+        self.consumers: list[asyncio.Task[Any]] = []
 
 
 REACHED_ROUTER: ContextVar[Arrival | None] = ContextVar("tandem_reached_router", default=None)
@@ -104,13 +109,15 @@ class TandemEngineClient(EngineClient):
             prompt_fields={k: v for k, v in prompt.items() if k in ("prompt", "cache_salt") and v is not None},
             generate_kwargs={k: passed[k] for k in FORWARDED if passed[k]},
         )
+        consumer: asyncio.Task[Any] = asyncio.current_task()  # type: ignore[assignment]
         if (arrival := REACHED_ROUTER.get()) is not None:
             arrival.routed = True
+            arrival.consumers.append(consumer)
         trace = RequestTrace()
         kind = sampling_params.output_kind
         merged: RequestOutput | None = None
         num_out = 0
-        self._consumers[request_id] = asyncio.current_task()  # type: ignore[assignment]
+        self._consumers[request_id] = consumer
         try:
             async for out in self.router.generate(request, trace):
                 num_out += sum(len(c.token_ids) for c in out.outputs)

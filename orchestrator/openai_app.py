@@ -117,6 +117,10 @@ class RequestGate:
         except asyncio.CancelledError:
             if not arrival.routed:
                 self.left_early()
+            me = asyncio.current_task()
+            for task in arrival.consumers:
+                if task is not me and not task.done():
+                    task.cancel()  # the client left: abort what it asked for on the engines
             raise
         finally:
             REACHED_ROUTER.reset(reset)
