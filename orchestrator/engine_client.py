@@ -15,7 +15,6 @@ tokenizes exactly as the engines would and `max_model_len` is theirs.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextvars import ContextVar
 from typing import Any
@@ -39,12 +38,6 @@ from orchestrator.router import (
     UnresumableError,
     is_client_error,
 )
-
-logger = logging.getLogger("tandem.engine_client")
-
-# The keyword arguments of AsyncLLM.generate that travel to the engine as they are.
-FORWARDED = ("priority", "trace_headers", "reasoning_ended", "reasoning_parser_kwargs")
-
 
 class Arrival:
     """One HTTP request as the HTTP layer (openai_app.RequestGate) sees it, set in
@@ -100,14 +93,15 @@ class TandemEngineClient(EngineClient):
             raise VLLMValidationError("LoRA adapters are not served by Tandem; use the base model", parameter="model")
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt or prompt.get("type", "token") != "token":
             raise VLLMValidationError("Tandem serves text prompts only (no multi-modal or embedding inputs)", parameter="prompt")
-        passed = {"priority": priority, "trace_headers": trace_headers, "reasoning_ended": reasoning_ended,
-                  "reasoning_parser_kwargs": reasoning_parser_kwargs}
+        # The keyword arguments of AsyncLLM.generate that travel to the engine as they are.
+        forwarded = {"priority": priority, "trace_headers": trace_headers, "reasoning_ended": reasoning_ended,
+                     "reasoning_parser_kwargs": reasoning_parser_kwargs}
         request = EngineRequest(
             request_id,
             list(prompt["prompt_token_ids"]),
             sampling_params,
             prompt_fields={k: v for k, v in prompt.items() if k in ("prompt", "cache_salt") and v is not None},
-            generate_kwargs={k: passed[k] for k in FORWARDED if passed[k]},
+            generate_kwargs={k: v for k, v in forwarded.items() if v},
         )
         consumer: asyncio.Task[Any] = asyncio.current_task()  # type: ignore[assignment]
         if (arrival := REACHED_ROUTER.get()) is not None:

@@ -542,24 +542,10 @@ class Router:
         return None
 
     async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str) -> Any:
-        """The prefill engine's last output for `request`: one sequence, one token, nothing
-        else computed that the decode engine would not use."""
-        req = msgspec.structs.replace(
-            request, request_id=request_id, sampling=_one_token(request.sampling), kv_transfer_params={"do_remote_decode": True},
-            stream_batch_s=0.0, origin=self.origin,
-        )
-        last = None
-        async with contextlib.aclosing(stream_engine(engine, req, self._held_kv_releaser(request_id))) as outputs:
-            async for out in outputs:
-                last = out
-        return last
-
-    async def _pull_kv(self, engine: EngineRef, req: EngineRequest) -> None:
-        """Have `engine` pull a prefill's KV into its prefix cache with a one-token request."""
-        pull = msgspec.structs.replace(req, request_id=f"{req.request_id}-pull", sampling=_one_token(req.sampling), stream_batch_s=0.0)
-        async with contextlib.aclosing(stream_engine(engine, pull)) as outputs:
-            async for _ in outputs:
-                pass
+        """The prefill engine's last output for `request` (its kv_transfer_params)."""
+        req = msgspec.structs.replace(request, request_id=request_id, kv_transfer_params={"do_remote_decode": True},
+                                      origin=self.origin)
+        return await _for_kv_only(engine, req, self._held_kv_releaser(request_id))
 
     def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
         async def release(kv_params: dict[str, Any]) -> None:
@@ -634,7 +620,7 @@ class Router:
                 if req.kv_transfer_params and sampling.n > 1:
                     # vLLM's decode side would pull the KV once per sequence, and the prefill
                     # side frees it after the first pull: pull once, the sequences share it.
-                    await self._pull_kv(engine, req)
+                    await _for_kv_only(engine, msgspec.structs.replace(req, request_id=f"{req.request_id}-pull"))
                     req = msgspec.structs.replace(req, kv_transfer_params=None)
                 async with contextlib.aclosing(stream_engine(engine, req)) as outputs:
                     async for out in outputs:
@@ -697,13 +683,19 @@ def _continuation(sampling: Any, num_generated: int) -> Any:
     return rest
 
 
-def _one_token(sampling: Any) -> Any:
-    """`sampling` for a request whose only purpose is its KV (a prefill, a pull): one sequence,
-    one token, nothing computed that the output will not use."""
-    one = sampling.clone()
+async def _for_kv_only(engine: EngineRef, req: EngineRequest,
+                       on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> Any:
+    """Run `req` on `engine` for its KV alone (a prefill, a decode engine's pull): one
+    sequence, one token, nothing computed that the output will not use; its last output."""
+    one = req.sampling.clone()
     one.n, one.max_tokens, one.min_tokens = 1, 1, 0
     one.logprobs = one.prompt_logprobs = one.structured_outputs = None
-    return one
+    last = None
+    async with contextlib.aclosing(stream_engine(engine, msgspec.structs.replace(req, sampling=one, stream_batch_s=0.0),
+                                                 on_held_kv)) as outputs:
+        async for last in outputs:
+            pass
+    return last
 
 
 def _unresumable(sampling: Any) -> str | None:
