@@ -208,9 +208,15 @@ class HealthConfig(Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # Address Ray Serve's HTTP proxy listens on.
+    # Address the HTTP endpoint listens on, on every node that runs an ingress replica
+    # ("direct") or a Serve proxy ("proxy").
     host: str = "127.0.0.1"
     port: Port = 8000
+    # Who answers HTTP. "direct": each ingress replica itself, on host:port of its node (its
+    # replicas on one node share the port); no Ray hop between client and ingress. "proxy":
+    # Ray Serve's HTTP proxy, which calls the replicas over Ray: one more hop per request and
+    # per streamed chunk (docs/performance.md). All apps on one Ray cluster use one of the two.
+    http: Literal["direct", "proxy"] = "direct"
     app_name: str = "tandem"
     route_prefix: str = "/"
     # Streamed tokens leave in chunks at most this many milliseconds apart; the first text
@@ -343,6 +349,14 @@ def _struct_at(path: str) -> type[Struct] | None:
     return tp if isinstance(tp, type) and issubclass(tp, Struct) else None
 
 
+def _choices_at(path: str) -> tuple[Any, ...]:
+    """The values a Literal field at a msgspec error path may take (none if not a Literal)."""
+    parent, _, name = path.rpartition(".")
+    struct = _struct_at(parent)
+    hint = get_type_hints(struct).get(name) if struct is not None else None
+    return get_args(hint) if get_origin(hint) is Literal else ()
+
+
 def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
     """Turn msgspec's message into one that names the field and the fix."""
     m = _AT.match(str(err))
@@ -356,6 +370,8 @@ def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
         field = f"{path.lstrip('.')}.{bad}".lstrip(".")
         if struct is not None:
             fix = f"remove it or use one of: {', '.join(struct.__struct_fields__)}"
+    elif msg.startswith("Invalid enum value") and (choices := _choices_at(path)):
+        fix = f"use one of: {', '.join(map(str, choices))}"
     elif msg.startswith("Expected"):
         fix = f"give `{field}` a value of the expected type"
     return ConfigError(f"{source}: invalid config field `{field}`: {msg}; fix: {fix}")

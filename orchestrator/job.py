@@ -50,12 +50,13 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
     embedded = init_ray(cfg, address) if own_ray else False
     deployment = Deployment(cfg)
     try:
-        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        # With `serve.http: direct` the ingress replicas answer HTTP; Serve's proxy would
+        # take their port, so Serve starts none.
+        location = "NoServer" if cfg.serve.http == "direct" else "EveryNode"
+        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port, "location": location})
         deployment.start()
-        app = build_ingress(cfg)
-        serve.run(app, name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
-        host = ray.util.get_node_ip_address() if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
-        yield Running(f"http://{host}:{cfg.serve.port}/v1", deployment, embedded)
+        handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
+        yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment, embedded)
     finally:
         try:
             serve.delete(cfg.serve.app_name)

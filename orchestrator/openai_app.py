@@ -66,7 +66,7 @@ class RequestGate:
     """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length, or as it is read
     when it has none), 400 for a malformed X-Request-Id; both before any parsing.
     `count(path, status)` sees every answer's status; `left_early()` every client that left
-    before its request reached the router."""
+    before its request reached the router (however the server tells that a client left)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, count: Callable[[str, int], None],
                  left_early: Callable[[], None]) -> None:
@@ -105,25 +105,41 @@ class RequestGate:
                 return
             receive = _replay(b"".join(parts), receive)
 
+        answered = left = False
+
         async def tracked(message: Message) -> None:
+            nonlocal answered
+            if left:
+                return  # nobody to answer (vLLM's cancelled handler still returns a body)
             if message["type"] == "http.response.start":
+                answered = True
                 self.count(path, message["status"])
             await send(message)
+
+        async def watched() -> Message:
+            # Served directly (uvicorn), a client that leaves shows as a disconnect message,
+            # on which vLLM's handlers cancel their own work.
+            nonlocal left
+            message = await receive()
+            left = left or (message["type"] == "http.disconnect" and not answered)
+            return message
 
         arrival = Arrival()
         reset = REACHED_ROUTER.set(arrival)
         try:
-            await self.app(scope, receive, tracked)
+            await self.app(scope, watched, tracked)
         except asyncio.CancelledError:
-            if not arrival.routed:
-                self.left_early()
+            # Behind Serve's proxy, a client that leaves cancels this call instead.
+            left = True
             me = asyncio.current_task()
             for task in arrival.consumers:
                 if task is not me and not task.done():
-                    task.cancel()  # the client left: abort what it asked for on the engines
+                    task.cancel()  # abort what it asked for on the engines
             raise
         finally:
             REACHED_ROUTER.reset(reset)
+            if left and not arrival.routed:
+                self.left_early()
 
     def _too_large(self) -> str:
         return (f"the request body is larger than this server's limit of {self.max_bytes} bytes "

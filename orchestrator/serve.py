@@ -25,6 +25,7 @@ from ray.exceptions import RayError
 from actors.kv_index import index_actor_name
 from orchestrator.cache_view import CacheView
 from orchestrator.config import TandemConfig, parse_config
+from orchestrator.http_server import DirectHTTP
 from orchestrator.metrics import TandemMetrics
 from orchestrator.models import resolve_local
 from orchestrator.protocol import DeploymentStatus
@@ -86,9 +87,29 @@ class OpenAIIngress:
         self.api = build_app(self.cfg, vllm_args, self.health, self.metrics_page, self._count,
                              lambda: self.router.note_abort("queued"))
         await init_app_state(self.client, self.api.state, vllm_args, SUPPORTED_TASKS)
+        self.http: DirectHTTP | None = None
+        if self.cfg.serve.http == "direct":
+            self.http = DirectHTTP(self.api, self.cfg.serve.host, self.cfg.serve.port)
+            await self.http.start()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.api
+
+    def url(self) -> str:
+        """Where this replica's HTTP endpoint is reached (its own with `serve.http: direct`)."""
+        host = self.cfg.serve.host
+        if host in ("0.0.0.0", "::"):
+            host = ray.util.get_node_ip_address()
+        return f"http://{host}:{self.cfg.serve.port}"
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose HTTP server stopped is restarted."""
+        if self.http is not None and not self.http.alive:
+            raise RuntimeError("the ingress replica's HTTP server stopped")
+
+    async def __del__(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
 
     def _count(self, path: str, status: int) -> None:
         self.metrics.observe_request(path if path in COUNTED_PATHS else "other", status)
@@ -166,7 +187,8 @@ def build_app(args: dict[str, str]) -> serve.Application:
 
     `serve run` calls this before it connects to Ray, so Ray is started (or joined, with
     `address=...` or RAY_ADDRESS) here. The engines belong to the `serve run` process and
-    stop with it; HTTP host and port are `serve run`'s, not the config's.
+    stop with it; HTTP is `serve run`'s own proxy (`serve.http: proxy`, on `serve run`'s host
+    and port, not the config's).
     """
     import ray
 
@@ -176,6 +198,7 @@ def build_app(args: dict[str, str]) -> serve.Application:
     from orchestrator.preflight import preflight
 
     cfg = load_config(args.get("config"))
+    cfg = msgspec.structs.replace(cfg, serve=msgspec.structs.replace(cfg.serve, http="proxy"))
     preflight(cfg)
     if not ray.is_initialized():
         init_ray(cfg, args.get("address"))

@@ -22,7 +22,7 @@ def test_default_is_tiny_1p1d_on_cpu() -> None:
     assert cfg.model.source == "builtin:tiny"
     assert cfg.disaggregated
     assert {r: p.replicas for r, p in cfg.pools.items()} == {"prefill": 1, "decode": 1}
-    assert (cfg.serve.host, cfg.serve.port) == ("127.0.0.1", 8000)
+    assert (cfg.serve.host, cfg.serve.port, cfg.serve.http) == ("127.0.0.1", 8000, "direct")
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -54,6 +54,12 @@ def test_negative_replicas_rejected() -> None:
 def test_wrong_type_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"`serve\.port`"):
         parse_config({"serve": {"port": "eighty"}})
+
+
+def test_who_answers_http_is_direct_or_proxy() -> None:
+    assert parse_config({"serve": {"http": "proxy"}}).serve.http == "proxy"
+    with pytest.raises(ConfigError, match=r"`serve\.http`.*direct.*proxy"):
+        parse_config({"serve": {"http": "nginx"}})
 
 
 def test_stream_batching_is_off_at_0_and_bounded() -> None:
