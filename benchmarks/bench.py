@@ -21,13 +21,12 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from benchmarks import vllm_bench
 from benchmarks.ballast import ballast
 from benchmarks.report import write_bench_report
 from benchmarks.direct import run_direct
@@ -46,11 +45,10 @@ from benchmarks.phases import (
     ttft_phases,
 )
 from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
-from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, scenario_config
+from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, shared_ray
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO
 from benchmarks.workloads import ConversationWorkload, Fixed, RandomWorkload, Uniform, load_tokenizer
-from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
 from orchestrator.router import RequestTrace, Router
@@ -70,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `tandem bench` options (defaults from BenchOptions)."""
     d = BenchOptions()
     p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
+    p.add_argument("--client", choices=["tandem", "vllm"], default=d.client,
+                   help="load generator: Tandem's own (all tables and plots) or vLLM's `vllm bench serve` on the random workload (default %(default)s)")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="measured requests per rate (default %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
@@ -125,28 +125,6 @@ def base_config(opts: BenchOptions) -> TandemConfig:
     if not opts.cpu_tier:
         base = msgspec.structs.replace(base, cpu_tier=msgspec.structs.replace(base.cpu_tier, enabled=False))
     return base
-
-
-@contextmanager
-def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | None) -> Iterator[None]:
-    """One Ray for every scenario: joined at `address`, or embedded on loopback; reused if already up."""
-    import ray
-    from ray import serve
-
-    if ray.is_initialized() or not any(s.is_tandem for s in scenarios):
-        yield
-        return
-    if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    else:
-        need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
-        start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1), log_to_driver=False)
-    try:
-        yield
-    finally:
-        if not address:  # Serve on a shared cluster is not ours to stop; our app was deleted
-            serve.shutdown()
-        ray.shutdown()
 
 
 class _Setup(msgspec.Struct, frozen=True):
@@ -280,7 +258,7 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
     port = base.serve.port if opts.address else free_ports(1)
     setup = _Setup(opts, base, workload_of(opts), SLO(opts.slo_ttft_ms, opts.slo_tpot_ms), tokenizer, port)
-    command = " ".join(["tandem", *sys.argv[1:]]) if Path(sys.argv[0]).name == "tandem" else " ".join(sys.argv)
+    command = _command()
     if opts.target_url:
         model = opts.target_model or base.model.name
         target = Scenario("target", "external")
@@ -302,6 +280,30 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
     return BenchReport(opts, command, reports, geometry, micro, time.perf_counter() - t0, faults)
 
 
+def run_vllm_client(opts: BenchOptions, out: Path) -> int:
+    """`tandem bench --client vllm`: the scenarios under vLLM's own benchmark client."""
+    scenarios = checked_scenarios(opts)
+    if opts.target_url or any(s.fault for s in scenarios):
+        print("tandem bench: --client vllm deploys and measures scenarios; it takes no --target-url or fault "
+              "scenario (run `vllm bench serve` against a running server yourself)", file=sys.stderr)
+        return 2
+    try:
+        runs = vllm_bench.workload_runs(opts)
+    except ValueError as err:
+        print(f"tandem bench: {err}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    results = vllm_bench.run(base_config(opts), scenarios, runs, out, opts.address)
+    print(vllm_bench.write(results, out, _command()))
+    print(f"vLLM's result files and summary.md written to {out}/")
+    return 0
+
+
+def _command() -> str:
+    """The command line this bench runs under, as the report names it."""
+    return " ".join(["tandem", *sys.argv[1:]]) if Path(sys.argv[0]).name == "tandem" else " ".join(sys.argv)
+
+
 def main(args: argparse.Namespace) -> int:
     """The body of `tandem bench`: run, write the report, print the summary."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -313,6 +315,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem bench: {err}", file=sys.stderr)
         return 2
     out = Path(opts.out_dir or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    if opts.client == "vllm":
+        return run_vllm_client(opts, out)
     report = run_bench(opts, out)
     summary = write_bench_report(report, out)
     print(summary.read_text())

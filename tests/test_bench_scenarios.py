@@ -418,7 +418,6 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     from benchmarks.bench import run_bench
     from benchmarks.report import write_bench_report
 
-    # The vLLM server comes after a Tandem scenario, whose Serve proxy still holds its port.
     opts = BenchOptions(scenarios="colocated:1,vllm-server", rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8, duration_s=30.0, request_timeout_s=60.0)
     report = run_bench(opts, tmp_path)
     summary = write_bench_report(report, tmp_path).read_text()
@@ -465,3 +464,57 @@ def test_routing_scenarios_set_the_policy_and_the_bench_can_drop_the_tier() -> N
     assert (plain.routing.policy, plain.routing.disaggregation) == ("round_robin", "always")
     with pytest.raises(ValueError, match="unknown routing policy"):
         parse_scenario("2p1d@fastest")
+
+
+def test_the_vllm_client_runs_the_bench_workload_with_arguments_vllm_accepts() -> None:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from benchmarks.vllm_bench import workload_runs
+
+    runs = workload_runs(BenchOptions(rates=(1.0, 2.5), num_requests=40, input_len=256, output_len=32, warmup=2))
+    assert [r.label for r in runs] == ["1 req/s", "2.5 req/s"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--model", "m", *runs[1].args])  # vLLM's own parser: it rejects what it does not know
+    assert (args.dataset_name, args.random_input_len, args.random_output_len, args.num_prompts) == ("random", 256, 32, 40)
+    assert (args.request_rate, args.num_warmups, args.ignore_eos, float(args.random_range_ratio)) == (2.5, 2, True, 0.0)
+    with pytest.raises(ValueError, match="random workload"):
+        workload_runs(BenchOptions(workload="conversation"))
+
+
+def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> None:
+    from benchmarks.phases import LOCAL_PREFILLS
+    from benchmarks.vllm_bench import SOURCES, ScenarioResult, table
+
+    def figures(ttft: float, tpot: float) -> dict[str, object]:
+        return {"completed": 40, "failed": 0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": tpot,
+                "median_itl_ms": tpot, "total_input_tokens": 1000}
+
+    grown = {n: 500.0 for n in SOURCES.values()} | {LOCAL_PREFILLS: 3.0}
+    text = table([ScenarioResult("vllm-server", "2 req/s", figures(50.0, 5.0), {}),
+                  ScenarioResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
+    assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 |  |  |  |" in text
+    assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
+
+
+@pytest.mark.engines
+def test_tandem_bench_with_vllms_client_measures_1p1d_and_a_plain_server(ray_local, tiny_model, tmp_path) -> None:
+    import json
+
+    from benchmarks.bench import run_vllm_client
+
+    opts = BenchOptions(client="vllm", scenarios="1p1d,vllm-server", rates=(4.0,), num_requests=4, warmup=1,
+                        input_len=64, output_len=8)
+    assert run_vllm_client(opts, tmp_path) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["scenario"], r["load"]) for r in results] == [("1p1d", "4 req/s"), ("vllm-server", "4 req/s")]
+    for r in results:  # vLLM's client saw every request complete, 8 tokens each
+        assert (r["vllm"]["completed"], r["vllm"]["failed"], r["vllm"]["total_output_tokens"]) == (4, 0, 32)
+    from benchmarks.phases import COMPUTED_TOKENS, LOCAL_PREFILLS
+
+    pd = results[0]["metrics"]  # Tandem's /metrics: the prompts were computed, all on the prefill pool
+    assert pd[COMPUTED_TOKENS] >= 4 * 50 and pd.get(LOCAL_PREFILLS, 0.0) == 0.0
+    assert results[1]["metrics"] == {}
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 1p1d | 4 req/s | 4 / 0 |" in summary and "x / " in summary
