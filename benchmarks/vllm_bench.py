@@ -31,7 +31,8 @@ from pathlib import Path
 import msgspec
 
 from benchmarks.loadgen import scrape_metrics
-from benchmarks.phases import CACHE_HIT_TOKENS, COMPUTED_TOKENS, LOCAL_PREFILLS, TIER_TOKENS
+from benchmarks.phases import (CACHE_HIT_TOKENS, COMPUTED_TOKENS, ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, LOCAL_PREFILLS,
+                               TIER_TOKENS)
 from benchmarks.protocol import BenchOptions
 from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
 from orchestrator.config import TandemConfig, load_config
@@ -63,7 +64,14 @@ class ScenarioResult(msgspec.Struct, frozen=True):
     scenario: str
     load: str  # the ClientRun's label
     vllm: dict[str, object]  # vLLM's result file, as written
-    metrics: dict[str, float]  # Tandem's /metrics growth over the run (empty for a vLLM server)
+    metrics: dict[str, float]  # the server's /metrics growth over the run (a vLLM server has engine TPOT only)
+
+    @property
+    def engine_tpot_ms(self) -> float | None:
+        """vLLM's own mean time per output token (engine-core timestamps): the client's TPOT
+        less this is what relaying each token to the client costs."""
+        count = sum(self.metrics.get(n, 0.0) for n in ENGINE_TPOT_COUNTS)
+        return 1000 * sum(self.metrics.get(n, 0.0) for n in ENGINE_TPOT_SUMS) / count if count else None
 
 
 def workload_runs(opts: BenchOptions) -> list[ClientRun]:
@@ -85,7 +93,7 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
     tokenizer = str(resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
     port = base.serve.port if address else free_ports(1)
-    names = list(SOURCES.values()) + [LOCAL_PREFILLS]
+    names = [*SOURCES.values(), LOCAL_PREFILLS, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
     results = []
     with shared_ray(base, scenarios, address):
         for scenario in scenarios:
@@ -98,7 +106,7 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
                            "--save-result", "--result-dir", str(out), "--result-filename", result_file, *load.args]
                     print(f"== {scenario.name}, {load.label}: vllm bench serve {' '.join(cmd[3:])}", flush=True)
                     subprocess.run(cmd, check=True)
-                    after = asyncio.run(scrape_metrics(target.base_url, names)) if scenario.is_tandem else {}
+                    after = asyncio.run(scrape_metrics(target.base_url, names))
                     grown = {n: after[n] - before.get(n, 0.0) for n in names if n in after}
                     results.append(ScenarioResult(scenario.name, load.label,
                                                   json.loads((out / result_file).read_text()), grown))
@@ -111,17 +119,20 @@ def table(results: list[ScenarioResult]) -> str:
     and again on the decode engine, so the shares can pass 100%)."""
     reference = {r.load: r.vllm for r in results if r.scenario == REFERENCE}
     rows = ["| scenario | load | completed / failed | TTFT p50 / p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
+            "| TPOT mean: client / engine (ms) "
             f"| TTFT / TPOT p50 vs {REFERENCE} | prompt tokens: " + " / ".join(SOURCES) + " | local prefills |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         v, ref = r.vllm, reference.get(r.load)
         ratio = (f"{v['median_ttft_ms'] / ref['median_ttft_ms']:.2f}x / {v['median_tpot_ms'] / ref['median_tpot_ms']:.2f}x"  # type: ignore[operator]
                  if ref is not None and r.scenario != REFERENCE else "")
         total = float(v.get("total_input_tokens") or 1)  # type: ignore[arg-type]
-        shares = " / ".join(f"{r.metrics[n] / total:.0%}" for n in SOURCES.values()) if r.metrics else ""
+        shares = " / ".join(f"{r.metrics.get(n, 0.0) / total:.0%}" for n in SOURCES.values()) if COMPUTED_TOKENS in r.metrics else ""
+        engine = r.engine_tpot_ms
+        tpot = f"{v['mean_tpot_ms']:.1f} / {engine:.1f}" if engine is not None else f"{v['mean_tpot_ms']:.1f} / —"
         local = f"{r.metrics[LOCAL_PREFILLS]:.0f}" if LOCAL_PREFILLS in r.metrics else ""
         rows.append(f"| {r.scenario} | {r.load} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.1f} / "
-                    f"{v['p99_ttft_ms']:,.1f} | {v['median_tpot_ms']:.1f} | {v['median_itl_ms']:.1f} | {ratio} | {shares} | {local} |")
+                    f"{v['p99_ttft_ms']:,.1f} | {v['median_tpot_ms']:.1f} | {v['median_itl_ms']:.1f} | {tpot} | {ratio} | {shares} | {local} |")
     return "\n".join(rows)
 
 

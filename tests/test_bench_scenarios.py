@@ -489,13 +489,15 @@ def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> 
 
     def figures(ttft: float, tpot: float) -> dict[str, object]:
         return {"completed": 40, "failed": 0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": tpot,
-                "median_itl_ms": tpot, "total_input_tokens": 1000}
+                "mean_tpot_ms": tpot + 1, "median_itl_ms": tpot, "total_input_tokens": 1000}
 
-    grown = {n: 500.0 for n in SOURCES.values()} | {LOCAL_PREFILLS: 3.0}
-    text = table([ScenarioResult("vllm-server", "2 req/s", figures(50.0, 5.0), {}),
+    vllm_tpot = {"vllm:request_time_per_output_token_seconds_sum": 0.16, "vllm:request_time_per_output_token_seconds_count": 40}
+    grown = {n: 500.0 for n in SOURCES.values()} | {LOCAL_PREFILLS: 3.0, "tandem_engine_tpot_seconds_total": 0.2,
+                                                    "tandem_engine_decoded_requests_total": 40}
+    text = table([ScenarioResult("vllm-server", "2 req/s", figures(50.0, 5.0), vllm_tpot),
                   ScenarioResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
-    assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 |  |  |  |" in text
-    assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
+    assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 | 6.0 / 4.0 |  |  |  |" in text
+    assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 7.0 / 5.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
 
 
 @pytest.mark.engines
@@ -515,6 +517,7 @@ def test_tandem_bench_with_vllms_client_measures_1p1d_and_a_plain_server(ray_loc
 
     pd = results[0]["metrics"]  # Tandem's /metrics: the prompts were computed, all on the prefill pool
     assert pd[COMPUTED_TOKENS] >= 4 * 50 and pd.get(LOCAL_PREFILLS, 0.0) == 0.0
-    assert results[1]["metrics"] == {}
+    assert set(results[1]["metrics"]) == {"vllm:request_time_per_output_token_seconds_sum",
+                                          "vllm:request_time_per_output_token_seconds_count"}  # all a vLLM server has
     summary = (tmp_path / "summary.md").read_text()
     assert "| 1p1d | 4 req/s | 4 / 0 |" in summary and "x / " in summary
