@@ -82,7 +82,7 @@ def workload_runs(opts: BenchOptions) -> list[ClientRun]:
     return [ClientRun(f"{rate:g} req/s", [
         "--dataset-name", "random", "--random-input-len", str(opts.input_len), "--random-output-len",
         str(opts.output_len), "--random-range-ratio", "0", "--num-prompts", str(opts.num_requests),
-        "--request-rate", f"{rate:g}", "--num-warmups", str(opts.warmup), "--ignore-eos", "--seed", str(opts.seed),
+        "--request-rate", f"{rate:g}", "--num-warmups", str(opts.warmup), "--ignore-eos", "--seed", str(opts.seed), "--save-detailed",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
     ]) for rate in opts.rates]
 
