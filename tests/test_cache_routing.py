@@ -39,9 +39,7 @@ CONFIG = {
     "prefill": {"replicas": 2},
     "decode": {"replicas": 1},
     "routing": {"policy": "kv_aware", "disaggregation": "conditional", "local_prefill_max_tokens": LOCAL_MAX},
-    # Two ingress replicas behind Ray Serve's proxy: the one module that runs the proxy path
-    # (two replicas answering HTTP themselves: tests/test_http_server.py).
-    "serve": {"ingress_replicas": 2, "http": "proxy"},
+    "serve": {"ingress_replicas": 2},
 }
 
 

@@ -37,7 +37,9 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
     cfg = parse_config(
         {
             "engine_args": {"max_model_len": MAX_MODEL_LEN},
-            "serve": {"port": free_port()},
+            # The ingress answering HTTP itself: this module checks that path end to end
+            # (streaming, cancellation by disconnect, bad input); the others run Serve's proxy.
+            "serve": {"port": free_port(), "http": "direct"},
             "kv_transfer": {"side_channel_base_port": free_port()},
         }
     )
