@@ -75,16 +75,17 @@ class ScenarioResult(msgspec.Struct, frozen=True):
 
 
 def workload_runs(opts: BenchOptions) -> list[ClientRun]:
-    """`tandem bench`'s random workload at each rate, as arguments of vLLM's client."""
+    """`tandem bench`'s random workload at each rate, as arguments of vLLM's client; each rate
+    gets prompts of its own (seed + its index), or the next rate would hit the prefix cache."""
     if opts.workload != "random":
         raise ValueError("--client vllm runs the random workload; for vLLM's other datasets use "
                          "`python -m benchmarks.vllm_bench ... -- <vllm bench serve args>`")
     return [ClientRun(f"{rate:g} req/s", [
         "--dataset-name", "random", "--random-input-len", str(opts.input_len), "--random-output-len",
         str(opts.output_len), "--random-range-ratio", "0", "--num-prompts", str(opts.num_requests),
-        "--request-rate", f"{rate:g}", "--num-warmups", str(opts.warmup), "--ignore-eos", "--seed", str(opts.seed), "--save-detailed",
+        "--request-rate", f"{rate:g}", "--num-warmups", str(opts.warmup), "--ignore-eos", "--seed", str(opts.seed + i), "--save-detailed",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-    ]) for rate in opts.rates]
+    ]) for i, rate in enumerate(opts.rates)]
 
 
 def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], out: Path,

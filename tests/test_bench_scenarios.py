@@ -472,13 +472,14 @@ def test_the_vllm_client_runs_the_bench_workload_with_arguments_vllm_accepts() -
 
     from benchmarks.vllm_bench import workload_runs
 
-    runs = workload_runs(BenchOptions(rates=(1.0, 2.5), num_requests=40, input_len=256, output_len=32, warmup=2))
+    runs = workload_runs(BenchOptions(rates=(1.0, 2.5), num_requests=40, input_len=256, output_len=32, warmup=2, seed=7))
     assert [r.label for r in runs] == ["1 req/s", "2.5 req/s"]
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(["--model", "m", *runs[1].args])  # vLLM's own parser: it rejects what it does not know
     assert (args.dataset_name, args.random_input_len, args.random_output_len, args.num_prompts) == ("random", 256, 32, 40)
     assert (args.request_rate, args.num_warmups, args.ignore_eos, float(args.random_range_ratio)) == (2.5, 2, True, 0.0)
+    assert args.seed == 8  # each rate its own prompts: the next rate would hit the prefix cache
     with pytest.raises(ValueError, match="random workload"):
         workload_runs(BenchOptions(workload="conversation"))
 
