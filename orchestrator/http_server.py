@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
-
-logger = logging.getLogger("tandem.http")
 
 # A replica that is stopped stops accepting at once and gives requests in flight this long.
 GRACEFUL_STOP_S = 15.0

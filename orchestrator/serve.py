@@ -112,7 +112,8 @@ class OpenAIIngress:
             raise RuntimeError("the ingress replica's HTTP server stopped")
 
     async def __del__(self) -> None:
-        if self.http is not None:
+        """Serve stops the replica: stop accepting, let requests in flight finish."""
+        if getattr(self, "http", None) is not None:  # None too when __init__ failed early
             await self.http.stop()
 
     def _count(self, path: str, status: int) -> None:
