@@ -505,8 +505,13 @@ def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> 
 def test_tandem_bench_with_vllms_client_measures_1p1d_and_a_plain_server(ray_local, tiny_model, tmp_path) -> None:
     import json
 
+    from ray import serve
+
     from benchmarks.bench import run_vllm_client
 
+    # Serve keeps the HTTP port it was first started with (by the bench before, in this
+    # module's Ray); this bench picks its own, as on a fresh machine.
+    serve.shutdown()
     opts = BenchOptions(client="vllm", scenarios="1p1d,vllm-server", rates=(4.0,), num_requests=4, warmup=1,
                         input_len=64, output_len=8)
     assert run_vllm_client(opts, tmp_path) == 0
