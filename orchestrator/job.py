@@ -52,8 +52,8 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
     try:
         # With `serve.http: direct` the ingress replicas answer HTTP; Serve's proxy would
         # take their port, so Serve starts none.
-        location = "NoServer" if cfg.serve.http == "direct" else "EveryNode"
-        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port, "location": location})
+        serve.start(proxy_location="Disabled" if cfg.serve.http == "direct" else "EveryNode",
+                    http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         deployment.start()
         handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
         yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment, embedded)
