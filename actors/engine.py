@@ -363,11 +363,11 @@ class EngineActor:
                     remaining -= done
                     if resumed is not None:
                         comp = out.outputs[0]
-                        comp.text, comp.token_ids, stopped = resumed.feed(
+                        comp.text, comp.token_ids, stop = resumed.feed(
                             list(comp.token_ids), out.finished, out.finished and comp.finish_reason == "stop"
                         )
-                        if stopped:
-                            out.finished, comp.finish_reason = True, "stop"
+                        if stop is not None:
+                            out.finished, comp.finish_reason, comp.stop_reason = True, "stop", stop
                     # vLLM ends an aborted request with a last output that is finished with reason
                     # "abort"; count it as aborted, as a cancelled stream is.
                     finished = out.finished and all(c.finish_reason != "abort" for c in out.outputs)

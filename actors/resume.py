@@ -42,11 +42,12 @@ class ResumedText:
         self._detok.update(streamed, False)
         self._detok.get_next_output_text(False, True)  # the client has this text already
 
-    def feed(self, token_ids: list[int], finished: bool, stop_token: bool) -> tuple[str, list[int], bool]:
-        """(new text, the new tokens kept, whether a stop string ended the request).
-        `stop_token`: the engine ended the request on a stop token (EOS or stop_token_ids),
-        which gets no text. A stop string drops the tokens after it, as vLLM does."""
+    def feed(self, token_ids: list[int], finished: bool, stop_token: bool) -> tuple[str, list[int], str | None]:
+        """(new text, the new tokens kept, the stop string that ended the request, if one did:
+        vLLM's `stop_reason`). `stop_token`: the engine ended the request on a stop token (EOS
+        or stop_token_ids), which gets no text. A stop string drops the tokens after it, as
+        vLLM does."""
         before = self._detok.num_output_tokens()
         stop = self._detok.update(token_ids, stop_token)
         kept = self._detok.output_token_ids[before:]
-        return self._detok.get_next_output_text(finished or stop is not None, True), kept, stop is not None
+        return self._detok.get_next_output_text(finished or stop is not None, True), kept, stop

@@ -42,18 +42,21 @@ def undisturbed(
     return text + detok.get_next_output_text(finished, True), detok.output_token_ids
 
 
-def resumed_text(tokenizer: Any, prompt: list[int], output: list[int], cut: int, sampling: SamplingParams) -> tuple[str, list[int]]:
-    """What the client sees when the first engine streamed output[:cut] and died."""
+def resumed_text(
+    tokenizer: Any, prompt: list[int], output: list[int], cut: int, sampling: SamplingParams
+) -> tuple[str, list[int], str | None]:
+    """What the client sees when the first engine streamed output[:cut] and died, and the stop
+    string that ended the rest, if one did."""
     first, _ = undisturbed(tokenizer, prompt, output[:cut], sampling, finished=False)
     rest = ResumedText(tokenizer, prompt, output[:cut], sampling)
-    text, kept = first, list(output[:cut])
+    text, kept, stop = first, list(output[:cut]), None
     for i, t in enumerate(output[cut:]):
-        delta, new, stopped = rest.feed([t], i == len(output) - cut - 1, False)
+        delta, new, stop = rest.feed([t], i == len(output) - cut - 1, False)
         text += delta
         kept += new
-        if stopped:
+        if stop is not None:
             break
-    return text, kept
+    return text, kept, stop
 
 
 def test_resumed_text_equals_the_undisturbed_text_at_any_cut(tokenizer: Any) -> None:
@@ -65,8 +68,8 @@ def test_resumed_text_equals_the_undisturbed_text_at_any_cut(tokenizer: Any) -> 
         output = [rng.randrange(3, len(tokenizer)) for _ in range(30)]
         cut = rng.randrange(1, 29)
         expected, _ = undisturbed(tokenizer, prompt, output, SamplingParams(max_tokens=30))
-        got, _ = resumed_text(tokenizer, prompt, output, cut, SamplingParams(max_tokens=30 - cut))
-        assert got == expected, f"cut at {cut}"
+        got, _, stop = resumed_text(tokenizer, prompt, output, cut, SamplingParams(max_tokens=30 - cut))
+        assert got == expected and stop is None, f"cut at {cut}"
 
 
 def test_a_stop_string_spanning_the_cut_ends_the_resumed_request(tokenizer: Any) -> None:
@@ -75,5 +78,6 @@ def test_a_stop_string_spanning_the_cut_ends_the_resumed_request(tokenizer: Any)
     sampling = SamplingParams(max_tokens=len(output), stop=["brown fox"])
     expected, expected_tokens = undisturbed(tokenizer, prompt, output, sampling)
     cut = next(i for i in range(1, len(output)) if "brown" in tokenizer.decode(output[:i]))
-    got, kept = resumed_text(tokenizer, prompt, output, cut, sampling)
+    got, kept, stop = resumed_text(tokenizer, prompt, output, cut, sampling)
     assert "fox" not in got and got == expected and kept == expected_tokens
+    assert stop == "brown fox"  # vLLM's stop_reason for a stop string
