@@ -212,13 +212,12 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # ("direct") or a Serve proxy ("proxy").
     host: str = "127.0.0.1"
     port: Port = 8000
-    # Who answers HTTP. "proxy": Ray Serve's HTTP proxy on every node, which calls the
-    # replicas over Ray. "direct": each ingress replica itself, on host:port of its node (its
-    # replicas on one node share the port): no Ray hop between client and ingress, about
-    # 10 ms less TTFT on a 2-core host, but not yet the default (docs/performance.md: an
-    # engine added under load started far slower beside it). All apps on one Ray cluster use
-    # one of the two.
-    http: Literal["proxy", "direct"] = "proxy"
+    # Who answers HTTP. "direct": each ingress replica itself, on host:port of its node (its
+    # replicas on one node share the port): no Ray hop between client and ingress, and one
+    # less for every streamed chunk (about 10 ms of TTFT on a 2-core host). "proxy": Ray
+    # Serve's HTTP proxy on every node, which calls the replicas over Ray (what `serve run`
+    # uses). All apps on one Ray cluster use one of the two.
+    http: Literal["proxy", "direct"] = "direct"
     app_name: str = "tandem"
     route_prefix: str = "/"
     # Streamed tokens leave in chunks at most this many milliseconds apart; the first text

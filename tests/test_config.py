@@ -22,7 +22,7 @@ def test_default_is_tiny_1p1d_on_cpu() -> None:
     assert cfg.model.source == "builtin:tiny"
     assert cfg.disaggregated
     assert {r: p.replicas for r, p in cfg.pools.items()} == {"prefill": 1, "decode": 1}
-    assert (cfg.serve.host, cfg.serve.port, cfg.serve.http) == ("127.0.0.1", 8000, "proxy")
+    assert (cfg.serve.host, cfg.serve.port, cfg.serve.http) == ("127.0.0.1", 8000, "direct")
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -57,7 +57,7 @@ def test_wrong_type_names_the_field() -> None:
 
 
 def test_who_answers_http_is_direct_or_proxy() -> None:
-    assert parse_config({"serve": {"http": "direct"}}).serve.http == "direct"
+    assert parse_config({"serve": {"http": "proxy"}}).serve.http == "proxy"
     with pytest.raises(ConfigError, match=r"`serve\.http`.*proxy.*direct"):
         parse_config({"serve": {"http": "nginx"}})
 

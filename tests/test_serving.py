@@ -37,9 +37,10 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
     cfg = parse_config(
         {
             "engine_args": {"max_model_len": MAX_MODEL_LEN},
-            # The ingress answering HTTP itself: this module checks that path end to end
-            # (streaming, cancellation by disconnect, bad input); the others run Serve's proxy.
-            "serve": {"port": free_port(), "http": "direct"},
+            # Serve's proxy in front: this module checks that path end to end (streaming,
+            # cancellation by disconnect, bad input); the others run the default, the ingress
+            # answering HTTP itself.
+            "serve": {"port": free_port(), "http": "proxy"},
             "kv_transfer": {"side_channel_base_port": free_port()},
         }
     )
