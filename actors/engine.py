@@ -284,6 +284,7 @@ class EngineActor:
             niceness=os.getpriority(os.PRIO_PROCESS, 0),
             hash_algo=hash_algo,
             hash_seed=hash_seed,
+            num_blocks=vcfg.cache_config.num_gpu_blocks or 0,
         )
         # As vLLM's own server does after start-up: the objects made so far (torch, vLLM, Ray)
         # stay, and a full collection over them took ~0.3 s here, a stall of every stream.

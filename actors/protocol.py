@@ -73,6 +73,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # its hash chain), so routers compute the keys its KV events carry (actors.kv_events).
     hash_algo: str = "sha256"
     hash_seed: str = ""
+    # The engine's KV cache in blocks (vLLM's num_gpu_blocks): how much its prefix cache can
+    # hold before storing a block evicts another.
+    num_blocks: int = 0
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

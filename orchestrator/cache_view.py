@@ -76,6 +76,14 @@ class EngineCache:
             n += 1
         return n
 
+    def free_blocks(self, now: float) -> int | None:
+        """Blocks the engine can still store before its prefix cache evicts one (held and
+        expected blocks count as taken); None when its capacity is unknown."""
+        if not self.ref.num_blocks:
+            return None
+        expected = sum(t >= now for t in self.expected.values())
+        return max(0, self.ref.num_blocks - len(self.held) - expected)
+
     def expect(self, keys: Sequence[int], now: float) -> None:
         deadline = now + EXPECT_TTL_S
         if len(self.expected) > 4 * len(keys) + 1024:  # drop the expired before growing further
@@ -164,6 +172,17 @@ class CacheView:
             return 0
         _, keys = prompt.for_engine(ref)
         return cache.prefix_blocks(keys, time.monotonic()) * ref.block_size
+
+    def evicted_tokens(self, ref: EngineRef, prompt: PromptKeys, cached_tokens: int) -> int:
+        """Prompt tokens of other prefixes that engine `ref` would evict from its prefix cache
+        to store this prompt's blocks beyond its `cached_tokens` (0 while it has room for them,
+        or when its capacity is unknown)."""
+        cache = self.caches.get(ref.engine_id)
+        free = cache.free_blocks(time.monotonic()) if cache is not None else None
+        if free is None:
+            return 0
+        stored = len(prompt.for_engine(ref)[1]) - cached_tokens // ref.block_size
+        return max(0, stored - free) * ref.block_size
 
     def expect(self, ref: EngineRef, prompt: PromptKeys) -> None:
         """Count the prompt's blocks as held on `ref` until its events catch up."""

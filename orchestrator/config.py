@@ -169,6 +169,13 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # engine) costs, as a share of computing it (kv_aware's `work`). A copy over PCIe, the
     # network or from host memory is far cheaper than a prefill on either a GPU or a CPU.
     kv_load_cost: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    # What storing a prompt token's KV in a full prefix cache costs kv_aware's `work`, as a
+    # share of computing one: it evicts another prefix's block (vLLM evicts the least recently
+    # used), which that prefix's next request computes again. Without it a replica holding
+    # only a shared system prompt drew every new chat and thrashed, while the others' caches
+    # stayed empty; with it, prefixes spread once a cache is full, so the pool's caches hold
+    # together what one cannot.
+    evict_cost: Annotated[float, Meta(ge=0)] = 1.0
     # kv_aware leaves out replicas whose KV cache is at least this full, unless all are.
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
     # Disaggregated deployments: whether a request is prefilled on the prefill pool

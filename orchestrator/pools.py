@@ -123,7 +123,7 @@ class Replica:
         assert self.info is not None
         i = self.info
         return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed,
-                         i.node_id, self.loads_tier)
+                         i.node_id, self.loads_tier, i.num_blocks)
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None

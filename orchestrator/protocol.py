@@ -37,6 +37,8 @@ class EngineRef(msgspec.Struct, frozen=True):
     # Whether the engine loads prefixes from the CPU tier (cpu_tier.load_into): only then does
     # the tier save it computation.
     loads_tier: bool = False
+    # The engine's KV cache in blocks (0: unknown); what a router weighs evictions against.
+    num_blocks: int = 0
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

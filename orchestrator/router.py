@@ -412,6 +412,7 @@ class Router:
             self._loaded_tokens(engine, prompt, tier, cached),
             seen.kv_cache_usage if seen else 0.0,
             picker.queued_tokens.get(engine.engine_id, 0.0) + (outstanding - mine) * len(prompt.token_ids),
+            self.cache.evicted_tokens(engine, prompt, cached),
         )
 
     async def _pick_output_engine(self, prompt: PromptKeys | None, exclude: set[str]) -> EngineRef | None:

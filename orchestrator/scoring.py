@@ -44,6 +44,9 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # replica: the KV they hold, which each of its steps reads), this router's estimates made
     # when it sent them, other routers' requests counted at this request's size.
     queued_tokens: float = 0.0
+    # Prompt tokens of other prefixes the replica would evict from its full prefix cache to
+    # store this prompt's new blocks (CacheView.evicted_tokens).
+    evicted_tokens: float = 0.0
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -62,8 +65,10 @@ def _share(tokens: float, prompt_tokens: int) -> float:
 
 
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
-    """1 / (1 + the tokens ahead of this request's first token, in prompts of its size)."""
+    """1 / (1 + the tokens ahead of this request's first token, in prompts of its size), the
+    tokens its blocks would evict (and so someone computes again) counting `evict_cost`."""
     ahead = f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
+    ahead += cfg.evict_cost * f.evicted_tokens
     return 1.0 / (1.0 + ahead / max(n, 1))
 
 

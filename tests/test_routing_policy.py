@@ -6,6 +6,8 @@ engines. Real engines: tests/test_cache_routing.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -114,9 +116,36 @@ def test_engine_cache_longest_run_and_expectations() -> None:
     assert cache.held == {9}
 
 
+def test_free_blocks_are_the_capacity_less_held_and_expected_blocks() -> None:
+    cache = EngineCache(EngineRef("e", "prefill", None, num_blocks=10))
+    cache.apply(CacheUpdate("i1", 1, True, [1, 2, 3], [], 0, 0, 0.0))
+    cache.expect([3, 4, 5], now=0.0)  # 3 is held already
+    assert cache.free_blocks(now=1.0) == 10 - 3 - 2
+    assert cache.free_blocks(now=100.0) == 10 - 3  # expectations expired
+    cache.apply(CacheUpdate("i1", 2, False, list(range(10, 30)), [], 0, 0, 0.0))
+    assert cache.free_blocks(now=100.0) == 0  # never below zero
+    assert EngineCache(EngineRef("e", "prefill", None)).free_blocks(now=0.0) is None  # capacity unknown
+
+
 def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0,
-          queued: float = 0.0) -> EngineFacts:
-    return EngineFacts(eid, outstanding, cached, tier, usage, queued)
+          queued: float = 0.0, evicted: float = 0.0) -> EngineFacts:
+    return EngineFacts(eid, outstanding, cached, tier, usage, queued, evicted)
+
+
+def test_work_counts_what_a_full_cache_would_evict() -> None:
+    """A replica holding only a shared system prompt, its cache full, against one with room:
+    storing the new chat there would push out another chat's blocks, which that chat's next
+    turn computes again."""
+    cfg = RoutingConfig(policy="kv_aware")
+    # 600-token prompt, 256 of it the system prompt on `full`, whose cache has no room left.
+    assert choose([facts("full", cached=256, evicted=344), facts("room")], 600, cfg).engine_id == "room"
+    # The same replica with room keeps its prefix advantage.
+    assert choose([facts("full", cached=256), facts("room")], 600, cfg).engine_id == "full"
+    # A holder of most of the prompt stays the choice even when full: it stores little.
+    assert choose([facts("full", cached=560, evicted=40), facts("room")], 600, cfg).engine_id == "full"
+    # evict_cost 0: evictions are free, the old choice.
+    free_evictions = RoutingConfig(policy="kv_aware", evict_cost=0.0)
+    assert choose([facts("full", cached=256, evicted=344), facts("room")], 600, free_evictions).engine_id == "full"
 
 
 def test_work_weighs_what_a_cache_saves_against_the_queue_ahead() -> None:
@@ -312,6 +341,95 @@ def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() ->
     router.pools["decode"].acquire(warm.ref("decode"), float(len(prompt)))  # one like it still decoding
     serve_one(router, prompt, RequestTrace())
     assert len(warm.requests) == 1 and len(cold.requests) == 1
+
+
+class LruEngine(CachingEngine):
+    """A fake engine with vLLM's prefix cache in small: `num_blocks` blocks, the least
+    recently used evicted first (a finished request's last block before its first), every
+    change reported at once through cache_updates."""
+
+    def __init__(self, name: str, num_blocks: int) -> None:
+        super().__init__(name)
+        self.num_blocks = num_blocks
+        self.lru: dict[int, None] = {}  # insertion order = eviction order
+        self.version = 0
+        self.changed = asyncio.Event()
+        self.computed = 0
+
+    def ref(self, role: str) -> EngineRef:
+        return msgspec.structs.replace(super().ref(role), num_blocks=self.num_blocks)
+
+    async def _cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
+        if version == self.version:
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout_s)
+        return CacheUpdate("i0", self.version, True, list(self.lru), [], 0, 0, 0.0)
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+        keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
+        hit = next((i for i, k in enumerate(keys) if k not in self.lru), len(keys))
+        self.computed += len(req.prompt_token_ids) - hit * BLOCK
+        for k in reversed(keys):
+            self.lru.pop(k, None)
+            self.lru[k] = None
+        while len(self.lru) > self.num_blocks:
+            del self.lru[next(iter(self.lru))]
+        self.version += 1
+        self.changed.set()
+        yield _done(output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK))
+
+
+def chats(num_chats: int, turns: int, rng: random.Random) -> list[list[int]]:
+    """Prompts of multi-turn chats after one shared 4-block system prompt, turn by turn, the
+    chats in a new order every turn (the shape of `tandem bench --workload conversation`)."""
+    system = list(range(1000, 1000 + 4 * BLOCK))
+    histories = [list(system) for _ in range(num_chats)]
+    prompts = []
+    for _ in range(turns):
+        for c in rng.sample(range(num_chats), num_chats):
+            histories[c] += [rng.randrange(2000, 30000) for _ in range(rng.randint(2 * BLOCK, 4 * BLOCK))]
+            prompts.append(list(histories[c]))
+    return prompts
+
+
+def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one() -> None:
+    """16 chats whose histories fit in two engines' caches together but not in one. Sent one
+    at a time (no queue anywhere), kv_aware without the eviction cost sent every chat to the
+    engine that held the system prompt, which then evicted each history before its next turn
+    (as much computed as round robin); with it, the chats spread and stay."""
+
+    async def run(policy: str, evict_cost: float) -> tuple[int, list[int]]:
+        engines = [LruEngine("a", 150), LruEngine("b", 150)]
+        router = Router([e.ref("both") for e in engines], RoutingConfig(policy=policy, evict_cost=evict_cost))
+        for i, prompt in enumerate(chats(16, 5, random.Random(0))):
+            router.cache.sync() if router.cache else None
+            async for _ in router.generate(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=1)), RequestTrace()):
+                pass
+            await asyncio.sleep(0.005)  # the engines' events reach the view
+        if router.cache is not None:
+            await router.cache.close()
+        return sum(e.computed for e in engines), [len(e.lru) for e in engines]
+
+    def go(policy: str, evict_cost: float = 1.0) -> tuple[int, list[int]]:
+        return asyncio.run(asyncio.wait_for(run(policy, evict_cost), timeout=60))
+
+    async def least_possible() -> int:  # one engine whose cache never evicts
+        engine = LruEngine("all", 10**6)
+        for i, prompt in enumerate(chats(16, 5, random.Random(0))):
+            async for _ in engine._generate(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=1))):
+                pass
+        return engine.computed
+
+    bound = asyncio.run(least_possible())
+    round_robin, _ = go("round_robin")
+    piled, (a_held, b_held) = go("kv_aware", evict_cost=0.0)
+    spread, held = go("kv_aware")
+    assert min(a_held, b_held) <= 4  # the old way: one cache full, the other holding next to nothing
+    assert min(held) > 60  # both caches in use
+    # Computed prompt tokens: 1.23x what caches that never evict would compute, where round
+    # robin and the piled-up way compute 1.6-1.7x.
+    assert spread <= 1.3 * bound and spread < 0.8 * min(round_robin, piled), (bound, spread, round_robin, piled)
 
 
 class _Tier:
