@@ -324,7 +324,16 @@ class Router:
         for role, picker in self.pools.items():
             picker.set_engines([e for e in engines if e.role == role])
         if self.cache is not None:
-            self.cache.set_engines([e for p in self.pools.values() for e in p.engines])
+            self.cache.set_engines([e for p in self.pools.values() if self._follows(p) for e in p.engines])
+
+    def _follows(self, picker: EnginePicker) -> bool:
+        """Whether routing looks at this pool's prefix caches and load: conditional
+        disaggregation asks what the decode engine holds and how busy the prefill pool is;
+        kv_aware scores a pool only when it has a choice. Following an engine costs it a
+        long-poll answer per KV event batch, on the cores it computes on, so the default
+        1P1D follows none."""
+        return self.routing.disaggregation == "conditional" or (
+            self.routing.policy == "kv_aware" and len(picker.engines) > 1)
 
     @property
     def engines(self) -> list[EngineRef]:

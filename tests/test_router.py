@@ -15,7 +15,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-from actors.protocol import EngineRequest
+from actors.protocol import CacheUpdate, EngineRequest
 from orchestrator.config import RoutingConfig
 from orchestrator.protocol import EngineRef
 from orchestrator.router import (
@@ -183,6 +183,7 @@ class FakeEngine:
         self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
         self.release_remote_kv = _Method(self._release)
+        self.cache_updates = _Method(self._cache_updates)
 
     def ref(self, role: str, incarnation: str = "i0") -> EngineRef:
         return EngineRef(self.name, role, self, incarnation)  # type: ignore[arg-type]
@@ -216,6 +217,12 @@ class FakeEngine:
     def _release(self, request_id: str, kv_params: dict[str, Any]) -> asyncio.Future:
         self.released.append((request_id, kv_params))
         return _done(None)
+
+    async def _cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
+        """An empty prefix cache, reported once and then at every long-poll's end (kv_aware's view)."""
+        if version:
+            await asyncio.sleep(timeout_s)
+        return CacheUpdate("i0", 1, True, [], [], 0, 0, 0.0)
 
 
 PROMPT = [1, 2, 3]

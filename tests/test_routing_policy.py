@@ -432,6 +432,26 @@ def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one()
     assert spread <= 1.3 * bound and spread < 0.8 * min(round_robin, piled), (bound, spread, round_robin, piled)
 
 
+def test_routers_follow_only_the_pools_whose_caches_they_look_at() -> None:
+    """Following an engine costs it a long-poll answer per KV event batch, on its own cores:
+    a pool kv_aware never scores (one replica) is not followed unless conditional
+    disaggregation needs what the decode engine holds."""
+    p1, p2, d = CachingEngine("p1"), CachingEngine("p2"), CachingEngine("d")
+
+    def followed(engines: list[EngineRef], **routing: Any) -> set[str]:
+        router = Router(engines, RoutingConfig(**routing))
+        assert router.cache is not None
+        return set(router.cache.caches)
+
+    one_each = [p1.ref("prefill"), d.ref("decode")]
+    assert followed(one_each, policy="kv_aware") == set()
+    assert followed(one_each, policy="round_robin", disaggregation="conditional") == {"p1", "d"}
+    assert followed([*one_each, p2.ref("prefill")], policy="kv_aware") == {"p1", "p2"}
+    router = Router(one_each, RoutingConfig(policy="kv_aware"))
+    router.set_engines([*one_each, p2.ref("prefill")])  # the prefill pool grew: now it has a choice
+    assert set(router.cache.caches) == {"p1", "p2"}  # type: ignore[union-attr]
+
+
 class _Tier:
     """A CPU-tier index handle that holds every block asked about, on one node."""
 
