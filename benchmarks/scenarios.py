@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -137,20 +138,37 @@ def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_chan
     return msgspec.structs.replace(base, serve=serve, kv_transfer=kv, routing=routing, **pools)
 
 
+# Ports handed to servers are picked from this band, below the kernel's ephemeral range: a port
+# picked by binding port 0 comes from that range, where any outgoing connection (a deployment
+# opens hundreds while it starts) may take it before the server binds it, which failed a bench
+# here with "Address already in use". Ray's workers listen on 10002-19999 by default.
+PORT_BAND = (20000, 32768)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return PORT_BAND[1]
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
-    """The first of `count` consecutive TCP ports that are all free on `host` right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            first = s.getsockname()[1]
-        if first + count > 65535:
+    """The first of `count` consecutive TCP ports, free on `host` now, outside the ephemeral
+    range (PORT_BAND) and not handed out before by this process."""
+    low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low()) - count
+    for _ in range(1000):
+        first = random.randrange(low, high) if high > low else random.randrange(1024, 65536 - count)
+        ports = range(first, first + count)
+        if _handed_out.intersection(ports):
             continue
         try:
-            for port in range(first, first + count):
+            for port in ports:
                 with socket.socket() as s:
                     s.bind((host, port))
         except OSError:
             continue
+        _handed_out.update(ports)
         return first
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
 

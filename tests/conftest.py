@@ -7,21 +7,22 @@ most a few tiny-model engines are alive at once (each takes 2-3 GB).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.scenarios import free_ports
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive TCP ports free on 127.0.0.1 now, none handed out before
+    (benchmarks.scenarios.free_ports: outside the ephemeral range, where Ray's own outgoing
+    connections would race a server for it)."""
+    return free_ports(count)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ from benchmarks.phases import (
     router_phases_from_traces,
     ttft_phases,
 )
-from benchmarks.scenarios import Scenario, free_ports, parse_scenario, parse_scenarios, scenario_config, vllm_server_command
+from benchmarks.scenarios import PORT_BAND, Scenario, free_ports, parse_scenario, parse_scenarios, scenario_config, vllm_server_command
 from benchmarks.server_cpu import CpuMeter, CpuReading, ServerCpu, cpu_between
 from benchmarks.stats import RequestResult, summarize
 from orchestrator.config import PoolConfig, TandemConfig, parse_config
@@ -118,11 +118,16 @@ def test_the_vllm_server_command_carries_the_same_engine_args() -> None:
         assert part in joined
 
 
-def test_free_ports_are_consecutive_and_bindable() -> None:
+def test_free_ports_are_consecutive_bindable_outside_the_ephemeral_range_and_never_repeated() -> None:
     first = free_ports(3)
     for port in range(first, first + 3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+    # Below the range outgoing connections take their local ports from.
+    assert PORT_BAND[0] <= first and first + 3 <= PORT_BAND[1]
+    handed = [free_ports(2) for _ in range(50)]
+    ports = [p for f in [first, *handed] for p in range(f, f + (3 if f == first else 2))]
+    assert len(ports) == len(set(ports))
 
 
 def test_cli_options_become_bench_options() -> None:

@@ -48,7 +48,7 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
     cfg = parse_config({
         **CONFIG,
         "serve": {**CONFIG["serve"], "port": free_port()},  # type: ignore[dict-item]
-        "kv_transfer": {"side_channel_base_port": free_port()},
+        "kv_transfer": {"side_channel_base_port": free_port(8)},
     })
     with running(cfg, own_ray=False) as up:
         yield up

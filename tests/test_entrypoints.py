@@ -34,7 +34,7 @@ def write_config(tmp_path: Path) -> Path:
     cfg = {
         "engine_args": {"max_model_len": 512},
         "serve": {"port": free_port()},
-        "kv_transfer": {"side_channel_base_port": free_port()},
+        "kv_transfer": {"side_channel_base_port": free_port(8)},
     }
     path.write_text(yaml.safe_dump(cfg))
     return path

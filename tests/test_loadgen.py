@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +25,7 @@ from starlette.routing import Route
 from benchmarks.loadgen import HostCpu, RunResult, arrival_times, cpu_times, host_cpu_between, run_load, run_sweep, scrape_metrics
 from benchmarks.stats import SLO
 from benchmarks.workloads import BenchRequest, Fixed, RandomWorkload
+from tests.conftest import free_port
 
 TTFT_S = 0.2
 ITL_S = 0.05
@@ -93,16 +93,10 @@ class FakeServer:
         return PlainTextResponse(text)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server() -> Iterator[tuple[FakeServer, str]]:
     fake = FakeServer()
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(fake.app, host="127.0.0.1", port=port, log_level="warning")
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -232,7 +226,7 @@ def test_a_stalled_request_times_out_as_a_failure(server) -> None:
 
 
 def test_a_refused_connection_is_a_failure() -> None:
-    result = _run(f"http://127.0.0.1:{_free_port()}", _requests(1))
+    result = _run(f"http://127.0.0.1:{free_port()}", _requests(1))
     assert result.summary.num_failed == 1
     assert "ConnectError" in result.requests[0].error
 

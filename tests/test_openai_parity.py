@@ -38,7 +38,7 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def tandem(ray_local: None, tiny_model: object) -> Iterator[Running]:
     cfg = parse_config(SETTINGS | {"serve": SETTINGS["serve"] | {"port": free_port()},
-                                   "kv_transfer": {"side_channel_base_port": free_port()}})
+                                   "kv_transfer": {"side_channel_base_port": free_port(8)}})
     with running(cfg, own_ray=False) as up:
         yield up
 

@@ -41,7 +41,7 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
             # cancellation by disconnect, bad input); the others run the default, the ingress
             # answering HTTP itself.
             "serve": {"port": free_port(), "http": "proxy"},
-            "kv_transfer": {"side_channel_base_port": free_port()},
+            "kv_transfer": {"side_channel_base_port": free_port(8)},
         }
     )
     with running(cfg, own_ray=False) as up:
