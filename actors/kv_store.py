@@ -101,6 +101,3 @@ class KVStoreActor:
     def stats(self) -> StoreStats:
         return StoreStats(self.store_id, self.incarnation, os.getpid(), self.pool.nbytes, _rss_bytes())
 
-    def read(self, offset: int, length: int) -> bytes:
-        """A copy of pool bytes, for tests and debugging only (never on the serving path)."""
-        return self.pool[offset : offset + length].tobytes()

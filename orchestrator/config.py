@@ -266,8 +266,6 @@ class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     enabled: bool = True
     # Host memory of each node's store pool, GiB (allocated up front).
     size_gib: Annotated[float, Meta(gt=0)] = 0.5
-    # Which block to drop when a store is full.
-    eviction: Literal["lru"] = "lru"
     # Pools whose engines write their computed prompt blocks to the tier.
     save_from: frozenset[PoolRole] = frozenset({"prefill", "both"})
     # Pools whose engines load held prefixes from the tier instead of computing them.

@@ -37,7 +37,6 @@ class Running(msgspec.Struct, frozen=True):
 
     url: str
     deployment: Deployment
-    embedded_ray: bool
 
 
 @contextmanager
@@ -56,7 +55,7 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
                     http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         deployment.start()
         handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
-        yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment, embedded)
+        yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment)
     finally:
         try:
             serve.delete(cfg.serve.app_name)
