@@ -493,8 +493,8 @@ def routing_table(scenarios: Sequence[ScenarioReport]) -> str:
         return ""
     head = ("| scenario | TTFT p50 | TTFT p99 | TPOT p50 | prefix-cache hits | CPU-tier hits | computed "
             "| local prefills | goodput (req/s) | completed |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
-    return head + "\n".join(rows) + "\n\nToken shares are of the prompt tokens clients sent (an engine's hit on a remote prefill "
-    "and the decode engine's own hit may both count).\n"
+    return (head + "\n".join(rows) + "\n\nToken shares are of the prompt tokens clients sent (an engine's hit on a "
+            "remote prefill and the decode engine's own hit may both count).\n")
 
 
 def fault_table(faults: Sequence[FaultReport]) -> str:

@@ -13,16 +13,19 @@ import pytest
 
 from benchmarks.bench import add_arguments, options_from_args, scenario_names
 from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
-from benchmarks.report import overhead_table, phase_table, transfer_table, vllm_comparison
+from benchmarks.report import overhead_table, phase_table, routing_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import HostCpu, RunConfig, RunResult, environment
 from benchmarks.nixl_micro import KVGeometry, standard_sizes
 from benchmarks.phases import (
+    CACHE_HIT_TOKENS,
+    COMPUTED_TOKENS,
     ENGINE_FIRST_TOKEN_COUNTS,
     ENGINE_FIRST_TOKEN_SUMS,
     KV_BYTES,
     KV_SECONDS,
     KV_SLOW,
     KV_TRANSFERS,
+    LOCAL_PREFILLS,
     TTFT_COUNT,
     VLLM_SERVER_METRICS,
     Overhead,
@@ -234,6 +237,18 @@ def test_the_transfer_table_sums_counters_over_runs_and_shows_the_slowest_transf
     # 8 transfers of 1 MiB in 32 ms in all: 4 ms each, 0.244 GiB/s; one was slow, the slowest took 1.2 s.
     assert "| 1p1d | 8 | 1,048,576 | 4.00 | 0.244 | — | 1,234.5 | 1 |" in table
     assert "colocated:1" not in table
+
+
+def test_the_routing_table_gives_token_shares_per_policy_and_says_how_to_read_them() -> None:
+    # 100 prompt tokens in all: 150 hits (prefill and decode engines both count theirs), 25 computed.
+    metrics = {CACHE_HIT_TOKENS: 150.0, COMPUTED_TOKENS: 25.0, LOCAL_PREFILLS: 2.0}
+    run = _run("2p1d@kv_aware+conditional", 1.0, 0.05, 0.002, metrics)
+    run = msgspec.structs.replace(run, summary=msgspec.structs.replace(run.summary, total_input_tokens=100))
+    table = routing_table([ScenarioReport(parse_scenario("2p1d@kv_aware+conditional"), 60.0, [run]),
+                           ScenarioReport(parse_scenario("1p1d"), 60.0, [_run("1p1d", 1.0, 0.05, 0.002)])])
+    assert "| 2p1d@kv_aware+conditional | 50.0 | 50.0 | 2.0 | 150% | n/a | 25% | 2 |" in table
+    assert "1p1d |" not in table  # no policy given: not a routing comparison
+    assert table.rstrip().endswith("and the decode engine's own hit may both count).")
 
 
 def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead() -> None:
