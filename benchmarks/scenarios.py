@@ -144,6 +144,7 @@ def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_chan
 # here with "Address already in use". Ray's workers listen on 10002-19999 by default.
 PORT_BAND = (20000, 32768)
 _handed_out: set[int] = set()
+_rng = random.Random()  # its own: code that seeds the global generator must not repeat our picks
 
 
 def _ephemeral_low() -> int:
@@ -158,7 +159,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     range (PORT_BAND) and not handed out before by this process."""
     low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low()) - count
     for _ in range(1000):
-        first = random.randrange(low, high) if high > low else random.randrange(1024, 65536 - count)
+        first = _rng.randrange(low, high) if high > low else _rng.randrange(1024, 65536 - count)
         ports = range(first, first + count)
         if _handed_out.intersection(ports):
             continue
