@@ -294,7 +294,7 @@ def run_vllm_client(opts: BenchOptions, out: Path) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     results = vllm_bench.run(base_config(opts), scenarios, runs, out, opts.address)
-    print(vllm_bench.write(results, out, _command()))
+    print(vllm_bench.write(results, out, _command(), scenarios))
     print(f"vLLM's result files and summary.md written to {out}/")
     return 0
 

@@ -6,13 +6,18 @@ own `RequestTrace`s. Phases are means per request in seconds (a request that ski
 a local prefill's remote one, counts 0), in the order they happen, and add up to the mean
 TTFT the client saw:
 
-- HTTP + ingress: client TTFT minus the router's (Serve proxy, ingress, extra Ray hop);
-- engine queue: vLLM's arrival-to-first-scheduled on the prefill engines (disaggregated) or
-  the engines (colocated);
-- prefill: the rest of the router's prefill phase (disaggregated), or of its whole TTFT
-  (colocated: prefill and the first token are one step);
-- KV transfer: the decode engine's NIXL transfer time (disaggregated only);
-- first decode token: decode request sent to first token, minus the KV transfer.
+- HTTP + ingress: client TTFT minus the router's (HTTP, vLLM's rendering and tokenizing in the
+  ingress, routing);
+- per engine leg (the prefill engine's, then the decode engine's; one leg when colocated),
+  from vLLM's engine-core timestamps (`tandem_engine_phase_seconds_total`):
+  - engine queue: arrival at the engine core to first scheduled (on a decode engine this
+    includes waiting for the KV, shown apart: KV transfer is the NIXL READ itself, and
+    "waiting for the KV" the rest: the READ's posting and the steps until its end is seen);
+  - engine compute: first scheduled to first token (the prefill; on a decode engine the one
+    step that computes the prompt's last token, or a local prefill);
+  - relay: the rest of the router's time for that leg: the Ray call to the engine actor,
+    vLLM's front end there (input processing, the engine core's socket, output processing)
+    and the first output's way back.
 """
 
 from __future__ import annotations
@@ -74,12 +79,17 @@ def engine_queue(pool: str) -> tuple[str, str]:
     return f'tandem_engine_phase_seconds_total{{phase="queue",pool="{pool}"}}', f'tandem_engine_timed_requests_total{{pool="{pool}"}}'
 
 
+def engine_compute(pool: str) -> str:
+    """Sample name of the engine core's first-scheduled-to-first-token seconds of `pool`."""
+    return f'tandem_engine_phase_seconds_total{{phase="prefill",pool="{pool}"}}'
+
+
 def metric_names() -> list[str]:
     """Every /metrics sample a Tandem run scrapes before and after."""
     names = [*HEADLINE_METRICS, KV_SLOW, TTFT_SUM, TTFT_COUNT, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
     names += [n for n in (*ENGINE_FIRST_TOKEN_SUMS, *ENGINE_FIRST_TOKEN_COUNTS) if n.startswith("tandem_")]
     names += [router_phase(p, s) for p in ROUTER_PHASES for s in ("sum", "count")]
-    names += [n for pool in ("prefill", "both") for n in engine_queue(pool)]
+    names += [n for pool in ("prefill", "decode", "both") for n in (*engine_queue(pool), engine_compute(pool))]
     names += ROUTING_METRICS
     return list(dict.fromkeys(names))
 
@@ -163,24 +173,31 @@ def ttft_phases(
     """Split the mean TTFT into phases (module docstring); without `client_ttft_s`, no HTTP phase.
 
     `router`: per-request means (`router_phases_from_*`); `num_requests`: the requests they
-    average over, so that the prefill queue and the KV transfers, which only remotely
-    prefilled requests have, are spread over every request as well (None: every request had
-    them). Missing inputs count as 0, so a scenario without transfers has no KV phase.
+    average over, so that phases only some requests have (a remote prefill and its KV
+    transfer, under a conditional router) are spread over every request as well (None:
+    every request had them). Missing inputs count as 0, so a scenario without transfers has
+    no KV phase.
     """
-    queue_sum, timed = (deltas.get(n) for n in engine_queue("prefill" if disaggregated else "both"))
-    queue = _mean(queue_sum, num_requests or timed) or 0.0
+    def engine(pool: str) -> tuple[float, float]:
+        """Mean engine-core (queue, compute) seconds per request on `pool`'s engines."""
+        queue_sum, timed = (deltas.get(n) for n in engine_queue(pool))
+        n = num_requests or timed
+        return _mean(queue_sum, n) or 0.0, _mean(deltas.get(engine_compute(pool)), n) or 0.0
+
     out: dict[str, float] = {}
     if client_ttft_s is not None:
         out["HTTP + ingress"] = client_ttft_s - sum(router.get(p, 0.0) for p in ROUTER_PHASES[:3])
-    out["engine queue"] = queue
+    output_leg = router.get("route", 0.0) + router.get("first_token", 0.0)
     if not disaggregated:
-        out["prefill"] = router.get("route", 0.0) + router.get("first_token", 0.0) - queue
-        return out
+        queue, compute = engine("both")
+        return out | {"engine queue": queue, "engine compute": compute, "relay": output_leg - queue - compute}
+    queue, compute = engine("prefill")
+    out |= {"prefill: engine queue": queue, "prefill: engine compute": compute,
+            "prefill: relay": router.get("prefill", 0.0) - queue - compute}
     kv = (_mean(deltas.get(KV_SECONDS), num_requests) if num_requests else kv_transfer_mean(deltas)) or 0.0
-    out["prefill"] = router.get("prefill", 0.0) - queue
-    out["KV transfer"] = kv
-    out["first decode token"] = router.get("route", 0.0) + router.get("first_token", 0.0) - kv
-    return out
+    queue, compute = engine("decode")
+    return out | {"decode: waiting for the KV": queue - kv, "KV transfer": kv, "decode: engine compute": compute,
+                  "decode: relay": output_leg - queue - compute}
 
 
 class PathFigures(msgspec.Struct, frozen=True):

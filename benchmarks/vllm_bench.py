@@ -32,7 +32,8 @@ import msgspec
 
 from benchmarks.loadgen import scrape_metrics
 from benchmarks.phases import (CACHE_HIT_TOKENS, COMPUTED_TOKENS, ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, LOCAL_PREFILLS,
-                               TIER_TOKENS)
+                               TIER_TOKENS, metric_names, requests_with_first_token, router_phases_from_metrics,
+                               ttft_phases)
 from benchmarks.protocol import BenchOptions
 from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
 from orchestrator.config import TandemConfig, load_config
@@ -94,7 +95,7 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
     tokenizer = str(resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
     port = base.serve.port if address else free_ports(1)
-    names = [*SOURCES.values(), LOCAL_PREFILLS, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS]
+    names = list(dict.fromkeys([*SOURCES.values(), LOCAL_PREFILLS, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS, *metric_names()]))
     results = []
     with shared_ray(base, scenarios, address):
         for scenario in scenarios:
@@ -137,9 +138,34 @@ def table(results: list[ScenarioResult]) -> str:
     return "\n".join(rows)
 
 
-def write(results: list[ScenarioResult], out: Path, command: str) -> str:
-    """summary.md (the command, then the table) and results.json in `out`; returns the table."""
+def budget_table(results: list[ScenarioResult], scenarios: list[Scenario]) -> str:
+    """Where the mean TTFT vLLM's client saw went, per Tandem scenario and load
+    (`benchmarks.phases.ttft_phases`: the router's phases and the engine cores' timestamps
+    from /metrics); empty without Tandem scenarios."""
+    kinds = {s.name: s.kind for s in scenarios}
+    columns: dict[str, dict[str, float]] = {}
+    for r in results:
+        if kinds.get(r.scenario, "vllm") == "vllm" or not requests_with_first_token(r.metrics):
+            continue
+        mean_ttft_s = float(r.vllm["mean_ttft_ms"]) / 1000  # type: ignore[arg-type]
+        columns[f"{r.scenario}, {r.load}"] = ttft_phases(
+            router_phases_from_metrics(r.metrics), r.metrics, kinds[r.scenario] == "disaggregated", mean_ttft_s,
+            requests_with_first_token(r.metrics))
+    if not columns:
+        return ""
+    names = list(dict.fromkeys(p for phases in columns.values() for p in phases))
+    lines = ["| TTFT phase (mean ms) | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    lines += [f"| {p} | " + " | ".join(f"{1000 * c[p]:.1f}" if p in c else "" for c in columns.values()) + " |" for p in names]
+    lines.append("| **= client's mean TTFT** | " + " | ".join(f"{1000 * sum(c.values()):.1f}" for c in columns.values()) + " |")
+    return "\n".join(lines)
+
+
+def write(results: list[ScenarioResult], out: Path, command: str, scenarios: list[Scenario]) -> str:
+    """summary.md (the command, the table, the TTFT budget) and results.json in `out`; returns
+    the tables."""
     text = table(results)
+    if budget := budget_table(results, scenarios):
+        text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget
     (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
     (out / "results.json").write_bytes(msgspec.json.encode(results))
     return text
@@ -155,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(ours)
     out = Path(args.out_dir or f"results/vllm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    results = run(load_config(args.config), parse_scenarios(args.scenarios), [ClientRun("as given", client_args)], out)
-    print(write(results, out, " ".join(["python -m benchmarks.vllm_bench", *argv])))
+    scenarios = parse_scenarios(args.scenarios)
+    results = run(load_config(args.config), scenarios, [ClientRun("as given", client_args)], out)
+    print(write(results, out, " ".join(["python -m benchmarks.vllm_bench", *argv]), scenarios))
     return 0
 
 

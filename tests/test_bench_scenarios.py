@@ -31,6 +31,7 @@ from benchmarks.phases import (
     Overhead,
     PathFigures,
     engine_first_token_ms,
+    engine_compute,
     engine_queue,
     engine_tpot_ms,
     metric_names,
@@ -169,36 +170,45 @@ def _deltas(router: dict[str, float], count: int, **extra: float) -> dict[str, f
 
 
 def test_disaggregated_phases_add_up_to_the_client_ttft() -> None:
-    queue, timed = engine_queue("prefill")
+    """Each engine leg splits into the engine core's queue and compute (vLLM's timestamps) and
+    the relay around them; the decode engine's queue holds the KV transfer."""
+    (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
     deltas = _deltas({"prefill": 0.300, "route": 0.001, "first_token": 0.099, "decode": 1.0}, 4,
-                     **{queue: 0.2, timed: 4, KV_SECONDS: 0.12, KV_TRANSFERS: 4, KV_BYTES: 4 * 131072})
+                     **{pq: 0.2, pt: 4, engine_compute("prefill"): 0.8, dq: 0.24, dt: 4, engine_compute("decode"): 0.08,
+                        KV_SECONDS: 0.12, KV_TRANSFERS: 4, KV_BYTES: 4 * 131072})
     phases = ttft_phases(router_phases_from_metrics(deltas), deltas, disaggregated=True, client_ttft_s=0.450)
-    assert phases == pytest.approx({"HTTP + ingress": 0.050, "engine queue": 0.050, "prefill": 0.250, "KV transfer": 0.030, "first decode token": 0.070})
+    assert phases == pytest.approx({
+        "HTTP + ingress": 0.050, "prefill: engine queue": 0.050, "prefill: engine compute": 0.200, "prefill: relay": 0.050,
+        "decode: waiting for the KV": 0.030, "KV transfer": 0.030, "decode: engine compute": 0.020, "decode: relay": 0.020,
+    })
     assert sum(phases.values()) == pytest.approx(0.450)
 
 
 def test_phases_add_up_when_some_requests_were_prefilled_locally() -> None:
     """A conditional router prefilled 2 of 4 requests on the decode engine: those have no
     prefill phase, no prefill-engine queue and no KV transfer, and count 0 for them."""
-    queue, timed = engine_queue("prefill")
+    (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
     deltas = {
         router_phase("prefill", "sum"): 2 * 0.300, router_phase("prefill", "count"): 2,
         router_phase("route", "sum"): 4 * 0.001, router_phase("route", "count"): 4,
         router_phase("first_token", "sum"): 2 * 0.099 + 2 * 0.200, router_phase("first_token", "count"): 4,
-        queue: 2 * 0.1, timed: 2, KV_SECONDS: 2 * 0.030, KV_TRANSFERS: 2,
+        pq: 2 * 0.1, pt: 2, engine_compute("prefill"): 2 * 0.15, KV_SECONDS: 2 * 0.030, KV_TRANSFERS: 2,
+        dq: 2 * 0.04 + 2 * 0.01, dt: 4, engine_compute("decode"): 2 * 0.02 + 2 * 0.15,
     }
     client_ttft = (2 * 0.450 + 2 * 0.250) / 4
     phases = ttft_phases(router_phases_from_metrics(deltas), deltas, True, client_ttft, requests_with_first_token(deltas))
-    assert phases == pytest.approx({"HTTP + ingress": 0.0495, "engine queue": 0.050, "prefill": 0.100,
-                                    "KV transfer": 0.015, "first decode token": 0.1355})
+    assert phases == pytest.approx({
+        "HTTP + ingress": 0.0495, "prefill: engine queue": 0.050, "prefill: engine compute": 0.075, "prefill: relay": 0.025,
+        "decode: waiting for the KV": 0.010, "KV transfer": 0.015, "decode: engine compute": 0.085, "decode: relay": 0.0405,
+    })
     assert sum(phases.values()) == pytest.approx(client_ttft) and min(phases.values()) >= 0
 
 
-def test_colocated_phases_fold_prefill_and_first_token_together() -> None:
+def test_colocated_phases_split_the_engine_core_from_the_relay() -> None:
     queue, timed = engine_queue("both")
-    deltas = _deltas({"route": 0.001, "first_token": 0.019}, 2, **{queue: 0.004, timed: 2})
+    deltas = _deltas({"route": 0.001, "first_token": 0.019}, 2, **{queue: 0.004, timed: 2, engine_compute("both"): 0.024})
     phases = ttft_phases(router_phases_from_metrics(deltas), deltas, disaggregated=False)
-    assert phases == pytest.approx({"engine queue": 0.002, "prefill": 0.018})
+    assert phases == pytest.approx({"engine queue": 0.002, "engine compute": 0.012, "relay": 0.006})
 
 
 def test_router_phases_from_traces_average_each_phase_over_the_traces_that_reached_it() -> None:
@@ -449,7 +459,7 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     assert run.summary.num_failed == 0 and direct.summary.num_failed == 0 and direct.config.rate == run.config.rate
     http = scenario.phases_ms["colocated:1 HTTP"]
     assert sum(http.values()) == pytest.approx(run.summary.ttft_ms.mean, rel=1e-6)
-    assert http["engine queue"] >= 0 and http["prefill"] > 0
+    assert http["engine queue"] >= 0 and http["engine compute"] > 0 and http["relay"] > 0  # relay: the leg around the engine core
     assert [o.rate for o in scenario.overhead] == [4.0] and report.micro and report.geometry is not None
     assert "| 4 | TTFT |" in summary and "(no direct run at this rate)" not in summary
     # Each server's processes were read over its runs; the vLLM server ran once more beside a
@@ -521,6 +531,23 @@ def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> 
     assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 7.0 / 5.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
 
 
+def test_the_vllm_client_ttft_budget_adds_up_to_the_clients_mean_ttft() -> None:
+    from benchmarks.vllm_bench import ScenarioResult, budget_table
+
+    (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
+    grown = {router_phase("prefill", "sum"): 4 * 0.030, router_phase("route", "sum"): 4 * 0.001,
+             router_phase("first_token", "sum"): 4 * 0.019, router_phase("first_token", "count"): 4,
+             pq: 0.004, pt: 4, engine_compute("prefill"): 0.08, dq: 0.04, dt: 4, engine_compute("decode"): 0.02,
+             KV_SECONDS: 0.012, KV_TRANSFERS: 4}
+    results = [ScenarioResult("vllm-server", "1 req/s", {"mean_ttft_ms": 12.0}, {}),
+               ScenarioResult("1p1d", "1 req/s", {"mean_ttft_ms": 55.0}, grown)]
+    text = budget_table(results, parse_scenarios("1p1d,vllm-server"))
+    assert text.splitlines()[0] == "| TTFT phase (mean ms) | 1p1d, 1 req/s |"  # no column for the plain server
+    assert "| HTTP + ingress | 5.0 |" in text and "| prefill: relay | 9.0 |" in text and "| KV transfer | 3.0 |" in text
+    assert "| decode: waiting for the KV | 7.0 |" in text and "| decode: relay | 5.0 |" in text
+    assert text.splitlines()[-1] == "| **= client's mean TTFT** | 55.0 |"
+
+
 @pytest.mark.engines
 def test_tandem_bench_with_vllms_client_measures_1p1d_and_a_plain_server(ray_local, tiny_model, tmp_path) -> None:
     import json
@@ -547,3 +574,4 @@ def test_tandem_bench_with_vllms_client_measures_1p1d_and_a_plain_server(ray_loc
                                           "vllm:request_time_per_output_token_seconds_count"}  # all a vLLM server has
     summary = (tmp_path / "summary.md").read_text()
     assert "| 1p1d | 4 req/s | 4 / 0 |" in summary and "x / " in summary
+    assert "| decode: relay |" in summary and "| **= client's mean TTFT** |" in summary  # the TTFT budget
