@@ -300,7 +300,8 @@ class EngineActor:
         return self.llm.vllm_config
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[Any]:
-        """Stream the request's vLLM RequestOutputs as deltas; the last one is finished.
+        """Stream the request's vLLM RequestOutputs as deltas, without the prompt (the router has
+        it); the last one is finished.
 
         The vLLM request runs in a task of its own (`_run`), not in this stream: when the caller
         leaves, Ray cancels this stream, and a cancel landing inside vLLM's generate would drop
@@ -374,6 +375,9 @@ class EngineActor:
                     finished = out.finished and all(c.finish_reason != "abort" for c in out.outputs)
                     if out.finished and out.kv_transfer_params:
                         self._remember_handoff(req.request_id, out.kv_transfer_params)
+                    # The router has the prompt and puts it back: a long prompt's ids are not
+                    # pickled into every streamed chunk.
+                    out.prompt, out.prompt_token_ids = None, None
                     outputs.put_nowait(out)
                     if out.finished:
                         return  # a stop string found here: closing the stream aborts vLLM's request

@@ -645,10 +645,10 @@ class Router:
                         streamed = True
                         if sampling.n == 1:
                             generated.extend(out.outputs[0].token_ids if out.outputs else ())
+                        # Engines send no prompt (the client's, even when a resumed request's is longer).
                         out.request_id, out.prompt_token_ids = request_id, prompt_ids
+                        out.prompt = request.prompt_fields.get("prompt")
                         out.num_cached_tokens = trace.num_cached_tokens
-                        if resumed:
-                            out.prompt = request.prompt_fields.get("prompt")
                         yield out
                 return
             except EngineFailure as failure:
