@@ -318,14 +318,19 @@ def _signed_ms(value: float | None) -> str:
 
 def phase_table(scenarios: Sequence[ScenarioReport]) -> str:
     """Phases as rows, one column per scenario and path, plus their sum."""
-    columns = {name: phases for s in scenarios for name, phases in s.phases_ms.items()}
+    return phases_markdown({name: phases for s in scenarios for name, phases in s.phases_ms.items()})
+
+
+def phases_markdown(columns: Mapping[str, Mapping[str, float]], total: str = "= mean TTFT") -> str:
+    """TTFT phases (ms) as rows, one column each, then their sum labelled `total`; empty
+    without columns."""
     if not columns:
         return ""
     names = list(dict.fromkeys(p for phases in columns.values() for p in phases))
     lines = ["| Phase (mean ms) | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
     for phase in names:
         lines.append(f"| {phase} | " + " | ".join(_ms(c.get(phase)) for c in columns.values()) + " |")
-    lines.append("| **= mean TTFT** | " + " | ".join(_ms(sum(c.values())) for c in columns.values()) + " |")
+    lines.append(f"| **{total}** | " + " | ".join(_ms(sum(c.values())) for c in columns.values()) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -35,6 +35,7 @@ from benchmarks.phases import (CACHE_HIT_TOKENS, COMPUTED_TOKENS, ENGINE_TPOT_CO
                                TIER_TOKENS, metric_names, requests_with_first_token, router_phases_from_metrics,
                                ttft_phases)
 from benchmarks.protocol import BenchOptions
+from benchmarks.report import phases_markdown
 from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
@@ -143,21 +144,15 @@ def budget_table(results: list[ScenarioResult], scenarios: list[Scenario]) -> st
     (`benchmarks.phases.ttft_phases`: the router's phases and the engine cores' timestamps
     from /metrics); empty without Tandem scenarios."""
     kinds = {s.name: s.kind for s in scenarios}
-    columns: dict[str, dict[str, float]] = {}
+    columns: dict[str, dict[str, float]] = {}  # ms
     for r in results:
         if kinds.get(r.scenario, "vllm") == "vllm" or not requests_with_first_token(r.metrics):
             continue
         mean_ttft_s = float(r.vllm["mean_ttft_ms"]) / 1000  # type: ignore[arg-type]
-        columns[f"{r.scenario}, {r.load}"] = ttft_phases(
-            router_phases_from_metrics(r.metrics), r.metrics, kinds[r.scenario] == "disaggregated", mean_ttft_s,
-            requests_with_first_token(r.metrics))
-    if not columns:
-        return ""
-    names = list(dict.fromkeys(p for phases in columns.values() for p in phases))
-    lines = ["| TTFT phase (mean ms) | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
-    lines += [f"| {p} | " + " | ".join(f"{1000 * c[p]:.1f}" if p in c else "" for c in columns.values()) + " |" for p in names]
-    lines.append("| **= client's mean TTFT** | " + " | ".join(f"{1000 * sum(c.values()):.1f}" for c in columns.values()) + " |")
-    return "\n".join(lines)
+        phases = ttft_phases(router_phases_from_metrics(r.metrics), r.metrics, kinds[r.scenario] == "disaggregated",
+                             mean_ttft_s, requests_with_first_token(r.metrics))
+        columns[f"{r.scenario}, {r.load}"] = {p: 1000 * seconds for p, seconds in phases.items()}
+    return phases_markdown(columns, "= client's mean TTFT")
 
 
 def write(results: list[ScenarioResult], out: Path, command: str, scenarios: list[Scenario]) -> str:
@@ -165,7 +160,7 @@ def write(results: list[ScenarioResult], out: Path, command: str, scenarios: lis
     the tables."""
     text = table(results)
     if budget := budget_table(results, scenarios):
-        text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget
+        text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
     (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
     (out / "results.json").write_bytes(msgspec.json.encode(results))
     return text

@@ -542,7 +542,7 @@ def test_the_vllm_client_ttft_budget_adds_up_to_the_clients_mean_ttft() -> None:
     results = [ScenarioResult("vllm-server", "1 req/s", {"mean_ttft_ms": 12.0}, {}),
                ScenarioResult("1p1d", "1 req/s", {"mean_ttft_ms": 55.0}, grown)]
     text = budget_table(results, parse_scenarios("1p1d,vllm-server"))
-    assert text.splitlines()[0] == "| TTFT phase (mean ms) | 1p1d, 1 req/s |"  # no column for the plain server
+    assert text.splitlines()[0] == "| Phase (mean ms) | 1p1d, 1 req/s |"  # no column for the plain server
     assert "| HTTP + ingress | 5.0 |" in text and "| prefill: relay | 9.0 |" in text and "| KV transfer | 3.0 |" in text
     assert "| decode: waiting for the KV | 7.0 |" in text and "| decode: relay | 5.0 |" in text
     assert text.splitlines()[-1] == "| **= client's mean TTFT** | 55.0 |"
