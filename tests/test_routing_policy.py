@@ -403,7 +403,6 @@ def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one()
         engines = [LruEngine("a", 150), LruEngine("b", 150)]
         router = Router([e.ref("both") for e in engines], RoutingConfig(policy=policy, evict_cost=evict_cost))
         for i, prompt in enumerate(chats(16, 5, random.Random(0))):
-            router.cache.sync() if router.cache else None
             async for _ in router.generate(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=1)), RequestTrace()):
                 pass
             await asyncio.sleep(0.005)  # the engines' events reach the view
