@@ -143,14 +143,15 @@ def budget_table(results: list[ScenarioResult], scenarios: list[Scenario]) -> st
     """Where the mean TTFT vLLM's client saw went, per Tandem scenario and load
     (`benchmarks.phases.ttft_phases`: the router's phases and the engine cores' timestamps
     from /metrics); empty without Tandem scenarios."""
-    kinds = {s.name: s.kind for s in scenarios}
+    by_name = {s.name: s for s in scenarios}
     columns: dict[str, dict[str, float]] = {}  # ms
     for r in results:
-        if kinds.get(r.scenario, "vllm") == "vllm" or not requests_with_first_token(r.metrics):
+        scenario, served = by_name.get(r.scenario), requests_with_first_token(r.metrics)
+        if scenario is None or not scenario.is_tandem or not served:
             continue
         mean_ttft_s = float(r.vllm["mean_ttft_ms"]) / 1000  # type: ignore[arg-type]
-        phases = ttft_phases(router_phases_from_metrics(r.metrics), r.metrics, kinds[r.scenario] == "disaggregated",
-                             mean_ttft_s, requests_with_first_token(r.metrics))
+        phases = ttft_phases(router_phases_from_metrics(r.metrics), r.metrics, scenario.kind == "disaggregated",
+                             mean_ttft_s, served)
         columns[f"{r.scenario}, {r.load}"] = {p: 1000 * seconds for p, seconds in phases.items()}
     return phases_markdown(columns, "= client's mean TTFT")
 
