@@ -137,19 +137,6 @@ def test_filling_past_capacity_evicts_lru_within_the_pool(deployment: Deployment
     assert delta(after, before, "tokens_loaded") == 4 * BLOCK
 
 
-def test_a_saving_request_s_blocks_are_freed_once_its_saves_end(deployment: Deployment) -> None:
-    """Saves are asynchronous: vLLM holds a finished request's blocks until the tier worker
-    reports its saves ended. None may stay held: with every request done, both engines'
-    caches are free again (prefix-cached blocks count as free)."""
-    for i, handle in enumerate(e.handle for e in deployment.engines):
-        for k in range(3):
-            generate(handle, f"freed-{i}-{k}", prompt(300 + 10 * i + k, 3 * BLOCK + 5))
-    deadline = time.monotonic() + 30
-    while any(usage := [ray.get(e.handle.get_stats.remote()).kv_cache_usage for e in deployment.engines]):
-        assert time.monotonic() < deadline, f"KV cache still in use with no request running: {usage}"
-        time.sleep(0.2)
-
-
 def test_killing_the_store_while_serving_fails_no_request(deployment: Deployment) -> None:
     a, b = (e.handle for e in deployment.engines)
     store = next(iter(deployment.kv_stores.values()))
