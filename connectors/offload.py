@@ -81,7 +81,6 @@ class LoadJob(msgspec.Struct, frozen=True):
 
 
 class SaveJob(msgspec.Struct, frozen=True):
-    req_id: str
     block_ids: list[int]
     hashes: list[bytes]
 
@@ -92,8 +91,6 @@ class TierMetadata(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
-    # Requests preempted this step whose saves must end before their blocks are reused.
-    flush: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -199,16 +196,15 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         _join_ray(self.settings)
         self.index = IndexLink(self.settings.index_actor, self.settings.namespace)
         is_worker = role == KVConnectorRole.WORKER
-        self.worker = (CpuTierWorker(self.index.get, self.settings.store_id, self.engine_id, self.block_size)
-                       if is_worker else None)
+        self.worker = CpuTierWorker(self.index.get, self.settings.store_id, self.engine_id) if is_worker else None
         # Scheduler state, keyed by request id and dropped in request_finished.
         self._requests: dict[str, Request] = {}
         self._lookups: dict[str, _Pending] = {}
         self._saved_blocks: dict[str, int] = {}
         self._meta = TierMetadata()
-        # Worker state: this step's saves (request, block ids, hashes, pending slot request),
-        # bound before the forward pass and started in wait_for_save.
-        self._step_saves: list[tuple[str, list[int], list[bytes], Any | None]] = []
+        # Worker state: this step's saves (block ids, hashes, pending slot request), bound
+        # before the forward pass and written in wait_for_save.
+        self._step_saves: list[tuple[list[int], list[bytes], Any | None]] = []
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -296,15 +292,14 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self._meta.loads.append(LoadJob(req_id, block_ids, pending.locations[:num_blocks]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Called once per step: the loads planned since the last step, saves of the full
-        prompt blocks this step computes, and the preempted requests whose saves must end now."""
+        """Called once per step: the loads planned since the last step, and saves of the full
+        prompt blocks this step computes."""
         if self.settings.store_id is not None:
             steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
             cached = scheduler_output.scheduled_cached_reqs
             steps += list(zip(cached.req_ids, cached.num_computed_tokens))
             for req_id, computed in steps:
                 self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
-            self._meta.flush = {r for r in scheduler_output.preempted_req_ids or () if r in self._saved_blocks}
         meta, self._meta = self._meta, TierMetadata()
         return meta
 
@@ -319,7 +314,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
             return
         block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][done:full]
         hashes = [bytes(h) for h in request.block_hashes[done:full]]
-        self._meta.saves.append(SaveJob(req_id, block_ids, hashes))
+        self._meta.saves.append(SaveJob(block_ids, hashes))
         self._saved_blocks[req_id] = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -328,13 +323,13 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
             self._unpin(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Called once when a request ends. A request with saves keeps its blocks until the
-        worker reports them ended (get_finished's finished_sending)."""
+        """Called once when a request ends. Saves are synchronous, so blocks may be freed now."""
         req_id = request.request_id
         if self._lookups.pop(req_id, None) is not None or req_id in self._requests:
             self._unpin(req_id)
         self._requests.pop(req_id, None)
-        return self._saved_blocks.pop(req_id, 0) > 0, None
+        self._saved_blocks.pop(req_id, None)
+        return False, None
 
     def _pin_key(self, req_id: str) -> str:
         return f"{self.engine_id}/{req_id}"
@@ -353,19 +348,12 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before each forward pass: ask the index for slots for this step's saves now,
-        so its answer is usually in by wait_for_save (vLLM calls start_load_kv after the forward)."""
+        so its answer is in by wait_for_save (vLLM calls start_load_kv after the forward)."""
         super().bind_connector_metadata(connector_metadata)
         assert self.worker is not None and isinstance(connector_metadata, TierMetadata)
         self._step_saves = [
-            (job.req_id, job.block_ids, job.hashes, self.worker.request_slots(job.req_id, job.hashes))
-            for job in connector_metadata.saves
+            (job.block_ids, job.hashes, self.worker.request_slots(job.hashes)) for job in connector_metadata.saves
         ]
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Called before a step's forward pass: preempted requests' blocks may be rewritten in
-        it, so their saves end first."""
-        assert self.worker is not None and isinstance(kv_connector_metadata, TierMetadata)
-        self.worker.flush(kv_connector_metadata.flush)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Called once per step: post this step's planned loads."""
@@ -382,19 +370,16 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         pass
 
     def wait_for_save(self) -> None:
-        """Called after each forward pass: start writing the blocks it completed to the store."""
+        """Called after each forward pass: write the blocks it completed to the store."""
         assert self.worker is not None
         saves, self._step_saves = self._step_saves, []
-        for job in saves:
-            self.worker.save(*job)
+        self.worker.save(saves, self.block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Called once per step: finished requests whose saves ended (vLLM then frees their
-        blocks), and requests whose loads ended (errors reported separately), after the
-        step's housekeeping (answers from the index, transfers moving on)."""
+        """Called once per step: requests whose loads ended (errors reported separately), after
+        the step's housekeeping (answers from the index, transfers that outlived their step)."""
         assert self.worker is not None
-        loaded = self.worker.poll()
-        return self.worker.finished_saves(finished_req_ids) or None, loaded or None
+        return None, self.worker.poll() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_error_blocks() if self.worker is not None else set()

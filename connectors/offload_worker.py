@@ -1,22 +1,17 @@
 """Worker role of the CPU tier connector: moves KV blocks between this engine's KV cache and
 the stores' host pools with one-sided NIXL transfers.
 
-Saves and loads are asynchronous: no step waits for the index or a transfer. A save's slots
-are requested from the index when the step's metadata is bound, before the forward pass that
-computes the blocks; its WRITE is posted in ``wait_for_save`` once the grant is in (usually
-at once) and polled in ``get_finished``, which commits the slots when it ends. The blocks stay
-valid meanwhile: a running request keeps its full prompt blocks, a finished one's are held
-by vLLM until ``get_finished`` reports its saves ended (the connector's ``request_finished``
-asks for that), and a preempted one's saves are finished before its blocks can be reused
-(``flush``, from ``handle_preemptions``). Loads are posted in ``start_load_kv`` and polled in
-``get_finished``. Any load failure (a dead store, a location outside its pool, a transfer
-error) marks the request's blocks as load errors, which vLLM recomputes; a failed save is a
-later miss.
+Saves are synchronous, in ``wait_for_save`` right after the forward pass that computed the
+blocks (the blocks may be freed and reused the step after); their slots are requested from
+the index when the step's metadata is bound, before the forward pass, so the index round
+trip hides behind it and only the local NIXL WRITE is paid in the step. Loads are
+asynchronous: posted in ``start_load_kv`` and polled in ``get_finished``. Any failure (a
+dead store, a location outside its pool, a transfer error) marks the request's blocks as
+load errors, which vLLM recomputes.
 
 Rules that keep the tier safe under faults:
-- The engine step never waits on Ray or NIXL, except to finish a preempted request's saves
-  (at most GRANT_WAIT_S for a slot grant, then WRITE_TIMEOUT_S for the WRITE); a grant
-  arriving after GRANT_WAIT_S is given back. It never waits for a store's endpoint: a grant carries the
+- The engine step never waits on Ray for long: at most GRANT_WAIT_S for a slot grant (a
+  grant arriving later is given back), never for a store's endpoint: a grant carries the
   endpoint of a store incarnation the worker does not know yet, and one needed by a load is
   fetched in the background (until it arrives, loads from that store fail and vLLM
   recomputes).
@@ -47,13 +42,13 @@ from actors.nixl_agent import make_nixl_agent
 
 logger = logging.getLogger("tandem.cpu_tier")
 
-# How long a save waits for the slot grant asked for before the forward pass. The answer is
-# normally in by the end of it (0.3-0.6 ms measured); a later one is given back when it
-# arrives (a missed save), so a finished request's blocks are never held longer for it.
-GRANT_WAIT_S = 0.1
-# A WRITE still in flight this long after it was posted (a healthy one of a step's blocks
-# takes 1-2 ms) is detached from its request, whose blocks vLLM may then reuse: its grant is
-# given back once it ends, and saves to its store are skipped until then.
+# How long wait_for_save waits for the slot grant asked for before the forward pass. The
+# answer is normally in by then (0.3-0.6 ms measured); a slower index costs one save, not a
+# stalled step, and the grant is given back when it arrives.
+GRANT_WAIT_S = 0.02
+# How long wait_for_save waits for its WRITE (a healthy one of a step's blocks takes 1-2 ms).
+# Past it the WRITE is left running and later saves to that store are skipped until it ends,
+# so a stalled store costs one step this long, once.
 WRITE_TIMEOUT_S = 1.0
 # A load still in flight after this long is logged as stuck (it keeps its blocks until NIXL
 # ends it), and its store takes no new loads or saves meanwhile.
@@ -98,22 +93,8 @@ class _Load:
 
 
 @dataclass
-class _Save:
-    """One step's blocks of one request on their way to a store: waiting for the index's
-    grant (`ref`, asked for at `asked`), then for the WRITE posted at `posted`."""
-
-    req_id: str
-    block_of: dict[bytes, int]  # hash -> block id
-    ref: Any
-    asked: float
-    grant: Grant | None = None
-    xfer: _Xfer | None = None
-    posted: float = 0.0
-
-
-@dataclass
 class _StuckSave:
-    """A WRITE that outlived WRITE_TIMEOUT_S: its grant is given back once the WRITE ends."""
+    """A WRITE that outlived its step: its grant is given back once the WRITE ends."""
 
     xfer: _Xfer
     grant: Grant
@@ -127,7 +108,6 @@ class CpuTierWorker:
         index: Callable[[], Any | None],
         store_id: str | None,
         owner: str,
-        block_size: int,
         agent: Any | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -137,7 +117,6 @@ class CpuTierWorker:
         self._index = index
         self.store_id = store_id
         self.owner = owner
-        self.block_size = block_size
         if agent is None:
             agent = make_nixl_agent(f"tandem-kv-engine-{owner}-{uuid.uuid4().hex[:6]}", progress_thread=False)
         self.agent = agent
@@ -151,11 +130,6 @@ class CpuTierWorker:
         # Remote agents of replaced store incarnations, removed once no transfer uses them.
         self._retired_agents: set[str] = set()
         self._loads: list[_Load] = []
-        self._saves: list[_Save] = []
-        # Requests with saves since they were last reported; vLLM holds a finished one's
-        # blocks until `finished_saves` reports it (its saves ended).
-        self._saving_reqs: set[str] = set()
-        self._finished_saving: set[str] = set()
         self._stuck_saves: list[_StuckSave] = []
         # Slot grants that missed their step, given back when they arrive.
         self._late_grants: list[Any] = []
@@ -197,13 +171,11 @@ class CpuTierWorker:
     # ---- the step's housekeeping ----
 
     def poll(self) -> set[str]:
-        """Called once per step (get_finished): collect background answers, move saves on,
-        end transfers that have ended, and return the requests whose loads ended since the
-        last poll."""
+        """Called once per step (get_finished): collect background answers, end transfers
+        that have ended, and return the requests whose loads ended since the last poll."""
         self._poll_fetches()
         self._poll_late_grants()
         self._poll_stuck_saves()
-        self._saves = [save for save in self._saves if not self._advance(save, wait=False)]
         done = self._poll_loads()
         self._remove_retired_agents()
         return done
@@ -320,8 +292,7 @@ class CpuTierWorker:
             logger.warning("CPU tier could not release a NIXL transfer handle (leaked): %s", err)
 
     def _live_xfers(self) -> list[_Xfer]:
-        saves = [s.xfer for s in self._saves if s.xfer is not None] + [s.xfer for s in self._stuck_saves]
-        return [x for load in self._loads for x in load.xfers] + saves
+        return [x for load in self._loads for x in load.xfers] + [s.xfer for s in self._stuck_saves]
 
     def _stalled(self, store_id: str) -> bool:
         """Whether a transfer with this store outlived its bound and has not ended: new loads
@@ -334,11 +305,9 @@ class CpuTierWorker:
 
     # ---- saves ----
 
-    def request_slots(self, req_id: str, hashes: list[bytes]) -> Any | None:
-        """Ask the index for store slots for these hashes of a request without waiting (called
-        before the forward pass that computes the blocks); the answer goes to `save`. None:
-        nothing to save. From here on the request counts as saving (`finished_saves`)."""
-        self._saving_reqs.add(req_id)
+    def request_slots(self, hashes: list[bytes]) -> Any | None:
+        """Ask the index for store slots for these hashes without waiting (called before the
+        forward pass that computes the blocks); the answer goes to `save`. None: nothing to save."""
         if self.store_id is None or not hashes or not self.slot_bytes:
             return None
         index = self._index()
@@ -348,73 +317,31 @@ class CpuTierWorker:
         known_incarnation = known[0].incarnation if known is not None else None
         return index.allocate.remote(self.store_id, hashes, self.owner, self.slot_bytes, known_incarnation)
 
-    def save(self, req_id: str, block_ids: list[int], hashes: list[bytes], ref: Any | None) -> None:
-        """Start saving one request's blocks computed this step (called in wait_for_save) to
-        the slots `ref` (`request_slots`'s answer) will grant; the WRITE is posted now if the
-        grant is in, else by a later poll. Nothing here waits."""
-        if ref is None:
+    def save(self, jobs: list[tuple[list[int], list[bytes], Any | None]], block_size: int) -> None:
+        """Write this step's computed blocks, (block ids, hashes, `request_slots` answer) per
+        job, to their granted slots; called in wait_for_save, so the blocks are valid until it
+        returns. Waits at most GRANT_WAIT_S for the grants together; a failed or skipped save
+        is logged and dropped (a miss later)."""
+        refs = [ref for _, _, ref in jobs if ref is not None]
+        if not refs:
             return
-        save = _Save(req_id, dict(zip(hashes, block_ids)), ref, self._clock())
-        if not self._advance(save, wait=False):
-            self._saves.append(save)
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=GRANT_WAIT_S)
+        if late:
+            self._warn("late-grant", "CPU tier index did not grant slots within %.0f ms; %d saves skipped",
+                       GRANT_WAIT_S * 1000, len(late))
+            self._late_grants += late
+        for block_ids, hashes, ref in jobs:
+            if ref is not None and ref in ready:
+                self._save(dict(zip(hashes, block_ids)), ref, block_size)
 
-    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
-        """Of the requests vLLM finished (`finished_req_ids`, each reported once), those that
-        had saves and whose saves have all ended, now or at an earlier call: vLLM frees
-        their blocks."""
-        self._finished_saving |= finished_req_ids & self._saving_reqs
-        done = self._finished_saving - {save.req_id for save in self._saves}
-        self._finished_saving -= done
-        self._saving_reqs -= done
-        return done
-
-    def flush(self, req_ids: set[str]) -> None:
-        """End the saves of these preempted requests now (vLLM reuses their blocks after this
-        step), waiting at most GRANT_WAIT_S for a grant and WRITE_TIMEOUT_S for a WRITE."""
-        if req_ids:
-            self._saves = [s for s in self._saves if s.req_id not in req_ids or not self._advance(s, wait=True)]
-
-    def _advance(self, save: _Save, wait: bool) -> bool:
-        """Move a save on: take its grant and post its WRITE, or end it; True once it has ended
-        (committed, given back, dropped, or detached as stuck). With `wait`, it ends here."""
-        if save.xfer is None and not self._post_save(save, wait):
-            return False
-        if save.xfer is None:  # dropped or given back
-            return True
-        deadline = save.posted + WRITE_TIMEOUT_S
-        while self._check(save.xfer) == "PROC":
-            if self._clock() >= deadline:
-                assert save.grant is not None
-                logger.warning("CPU tier WRITE to store %s did not end within %.1f s; saves to it are skipped until "
-                               "it does", save.xfer.store_id, WRITE_TIMEOUT_S)
-                self._stuck_saves.append(_StuckSave(save.xfer, save.grant))
-                return True
-            if not wait:
-                return False
-        self._release(save.xfer.handle)
-        self._end_save(save.grant, save.xfer.state == "DONE")
-        return True
-
-    def _post_save(self, save: _Save, wait: bool) -> bool:
-        """Take the save's grant and post its WRITE (`save.xfer`); False while the grant is
-        not in yet (and GRANT_WAIT_S has not passed, or `wait` waits for it), True once
-        decided (posted, or nothing to write)."""
-        waited = self._clock() - save.asked
-        ready, _ = ray.wait([save.ref], timeout=max(0.0, GRANT_WAIT_S - waited) if wait else 0)
-        if not ready:
-            if not wait and waited < GRANT_WAIT_S:
-                return False
-            self._warn("late-grant", "CPU tier index did not grant slots within %.0f ms; a save is skipped",
-                       GRANT_WAIT_S * 1000)
-            self._late_grants.append(save.ref)
-            return True
+    def _save(self, block_of: dict[bytes, int], ref: Any, block_size: int) -> None:
         try:
-            grant: Grant | None = ray.get(save.ref)
+            grant: Grant | None = ray.get(ref)
         except Exception as err:  # the index is gone or restarting: the tier is a cache
             self._warn("allocate", "CPU tier save skipped: the index did not grant slots (%s)", err)
-            return True
+            return
         if grant is None or not grant.hashes:
-            return True
+            return
         if grant.endpoint is not None:
             self._adopt_endpoint(grant.endpoint)
         store = self._known_store(grant.store_id, grant.incarnation)
@@ -422,26 +349,29 @@ class CpuTierWorker:
             why = "its endpoint is being fetched" if store is None else "an earlier transfer with it has not ended"
             self._warn(f"skip-{grant.store_id}", "CPU tier saves to store %s skipped: %s", grant.store_id, why)
             self._give_back(grant)
-            return True
+            return
         try:
-            save.xfer = self._post("WRITE", [save.block_of[h] for h in grant.hashes], store[0], store[1], grant.slots)
+            xfer = self._post("WRITE", [block_of[h] for h in grant.hashes], store[0], store[1], grant.slots)
         except Exception as err:
             self._warn(f"write-{grant.store_id}", "CPU tier save to store %s failed: %s", grant.store_id, err)
             self._give_back(grant)
-            return True
-        save.grant, save.posted = grant, self._clock()
-        return True
-
-    def _end_save(self, grant: Grant | None, written: bool) -> None:
-        """Commit an ended WRITE's slots, or give them back if it failed."""
-        assert grant is not None
+            return
+        deadline = self._clock() + WRITE_TIMEOUT_S
+        while self._check(xfer) == "PROC" and self._clock() < deadline:
+            pass
+        if xfer.state == "PROC":
+            logger.warning("CPU tier WRITE to store %s did not end within %.1f s; saves to it are skipped until "
+                           "it does", grant.store_id, WRITE_TIMEOUT_S)
+            self._stuck_saves.append(_StuckSave(xfer, grant))
+            return
+        self._release(xfer.handle)
         index = self._index()
-        if not written or index is None:
+        if xfer.state != "DONE" or index is None:
             self._give_back(grant)
             return
         index.commit.remote(grant, True)
         self.bytes_saved += len(grant.hashes) * self.slot_bytes
-        self.tokens_saved += len(grant.hashes) * self.block_size
+        self.tokens_saved += len(grant.hashes) * block_size
 
     def _poll_late_grants(self) -> None:
         if not self._late_grants:

@@ -341,48 +341,6 @@ def test_a_request_seen_first_by_the_scheduler_is_answered_once_the_index_replie
     conn.request_finished(req, [])
 
 
-def test_a_request_with_saves_keeps_its_blocks_past_its_end_and_a_preempted_one_is_flushed(
-    tier_scheduler: tuple[Any, Any],
-) -> None:
-    """Saves are asynchronous: vLLM must hold a finished request's blocks until the worker
-    reports its saves ended, and the worker must end a preempted request's saves before
-    its blocks are reused; requests that saved nothing are freed at once."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from connectors.offload import TandemCpuTierConnector
-
-    conn, _ = tier_scheduler
-    settings = msgspec.convert(conn._vllm_config.kv_transfer_config.kv_connector_extra_config, TierSettings)
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=msgspec.to_builtins(msgspec.structs.replace(settings, store_id="s0", load=False)),
-            engine_id="e1",
-        ),
-        cache_config=SimpleNamespace(block_size=BS),
-    )
-    saver = TandemCpuTierConnector(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
-    saver._kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: [[10, 11, 12]])
-    reqs = {}
-    for req_id, prompt in (("long", 2 * BS + 1), ("short", BS - 1), ("preempted", 2 * BS + 1)):
-        reqs[req_id] = SimpleNamespace(request_id=req_id, block_hashes=H[: prompt // BS], num_tokens=prompt,
-                                       num_prompt_tokens=prompt)
-        saver.update_state_after_alloc(reqs[req_id], SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), 0)
-    step = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=0) for r in reqs],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={r: req.num_prompt_tokens for r, req in reqs.items()},
-        preempted_req_ids=None,
-    )
-    meta = saver.build_connector_meta(step)
-    assert [(job.req_id, job.block_ids) for job in meta.saves] == [("long", [10, 11]), ("preempted", [10, 11])]
-    assert meta.flush == set()
-    idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=step.scheduled_cached_reqs,
-                           num_scheduled_tokens={}, preempted_req_ids={"preempted", "short"})
-    assert saver.build_connector_meta(idle).flush == {"preempted"}
-    assert saver.request_finished(reqs["long"], [10, 11, 12]) == (True, None)
-    assert saver.request_finished(reqs["short"], [10]) == (False, None)
-
-
 def test_a_corrupting_connector_fails_only_marked_requests_from_the_given_block(tier_scheduler: tuple[Any, Any]) -> None:
     """tests.faults' connector (loaded through the cpu_tier.connector seam) points the lookups
     of "tierfail" requests past the pool from CORRUPT_FROM_BLOCK on; others are untouched."""

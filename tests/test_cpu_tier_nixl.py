@@ -46,17 +46,9 @@ def kv_caches() -> dict[str, torch.Tensor]:
 
 
 def save(worker: CpuTierWorker, hashes: list[bytes], block_ids: list[int]) -> None:
-    """Save the blocks as one step would, then poll as later steps would until vLLM may free them."""
-    ref = worker.request_slots("saving", hashes)
+    ref = worker.request_slots(hashes)
     ray.wait([ref], timeout=60)
-    worker.save("saving", block_ids, hashes, ref)
-    finished = {"saving"}
-    deadline = time.monotonic() + 60
-    while "saving" not in worker.finished_saves(finished):
-        assert time.monotonic() < deadline, "the save never ended"
-        finished = set()
-        time.sleep(0.001)
-        worker.poll()
+    worker.save([(block_ids, hashes, ref)], block_size=16)
 
 
 def load(worker: CpuTierWorker, req_id: str, block_ids: list[int], locations: list[Any]) -> set[int]:
@@ -72,7 +64,7 @@ def load(worker: CpuTierWorker, req_id: str, block_ids: list[int], locations: li
 def test_saved_blocks_load_back_and_a_killed_store_fails_loads_then_serves_again(tier: tuple[Any, Any, str]) -> None:
     index, store, store_id = tier
     caches = kv_caches()
-    worker = CpuTierWorker(lambda: index, store_id, "e@1", 16)
+    worker = CpuTierWorker(lambda: index, store_id, "e@1")
     worker.register_kv_caches(caches, NUM_BLOCKS)
     hashes = [b"h-one", b"h-two"]
 

@@ -141,7 +141,7 @@ def kv_caches() -> dict[str, torch.Tensor]:
 def worker_with(index: FakeIndex, agent: FakeAgent, clock: Clock, knows_store: bool = True) -> CpuTierWorker:
     """A started worker saving to STORE; `knows_store`: it has learnt STORE's endpoint (from a
     first load, which failed for want of it)."""
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", 16, agent=agent, clock=clock)
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=agent, clock=clock)
     worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
     if knows_store:
         worker.start_load("warm-up", [0], [loc(0)])
@@ -154,124 +154,74 @@ def commits(index: FakeIndex) -> list[bool]:
     return [ok for _, ok in index.commit.calls]
 
 
-def save_one(worker: CpuTierWorker, index: FakeIndex, slots: list[int], req_id: str = "r") -> None:
-    """One step's save of len(slots) blocks of `req_id`, whose grant (of `slots`) is in by
-    wait_for_save."""
+def save_one(worker: CpuTierWorker, index: FakeIndex, slots: list[int]) -> None:
+    """One step's save of len(slots) blocks, whose grant (of `slots`) is in by wait_for_save."""
     index.allocate.answer = grant(slots)
     hashes = [bytes([s]) for s in slots]
-    ref = worker.request_slots(req_id, hashes)
+    ref = worker.request_slots(hashes)
     ray.wait([ref])
-    worker.save(req_id, list(range(len(slots))), hashes, ref)
+    worker.save([(list(range(len(slots))), hashes, ref)], block_size=16)
 
 
 # ---- saves ----
 
 
-def test_a_write_that_ends_commits_its_grant_at_the_next_poll() -> None:
+def test_a_write_that_ends_commits_its_grant() -> None:
     index, agent = FakeIndex(), FakeAgent()
-    agent.script = ["PROC", "DONE"]  # in flight when first checked, ended at the next check
     worker = worker_with(index, agent, Clock(tick=0.001))
     save_one(worker, index, [3])
-    assert len(agent.posted) == 1 and commits(index) == []  # posted in the step, not waited for
-    worker.poll()
     assert commits(index) == [True] and agent.released == [1]
-    assert worker.take_counters()["tokens_saved"] == 16
     # The owner, the slot size (for an index that restarted empty), the store incarnation known.
     assert index.allocate.calls[0][2:] == ("e@1", SLOT, "i0")
-
-
-def test_a_finished_request_keeps_its_blocks_until_its_writes_end() -> None:
-    """vLLM frees a finished request's blocks once get_finished reports it: never while a
-    WRITE may still read them, and each request once."""
-    index, agent = FakeIndex(), FakeAgent()
-    agent.script = ["PROC"]
-    worker = worker_with(index, agent, Clock())
-    save_one(worker, index, [3], "r1")
-    save_one(worker, index, [4], "r2")
-    worker.request_slots("r3", [])  # a save with nothing to write (no full block)
-    worker.poll()
-    assert worker.finished_saves({"r1", "r3", "other"}) == {"r3"}  # only requests with saves are held
-    agent.end(1, "DONE")
-    worker.poll()
-    assert worker.finished_saves(set()) == {"r1"}  # finished earlier, its WRITE ended now
-    assert worker.finished_saves(set()) == set()
-    agent.end(2, "DONE")
-    worker.poll()
-    assert worker.finished_saves({"r2"}) == {"r2"}  # ended before it finished: reported at once
-    assert commits(index) == [True, True]
-
-
-def test_a_preempted_request_s_saves_end_before_its_blocks_are_reused() -> None:
-    index, agent = FakeIndex(), FakeAgent()
-    agent.script = ["PROC", "PROC", "DONE"]
-    worker = worker_with(index, agent, Clock(tick=0.001))
-    index.allocate = _Method(grant([3]), delay_s=0.05)  # not in by wait_for_save
-    ref = worker.request_slots("r1", [b"\x03"])
-    worker.save("r1", [0], [b"\x03"], ref)
-    assert agent.posted == {}
-    index.allocate.wait_answered()
-    worker.flush({"r1"})  # takes the grant, posts the WRITE and waits for it
-    assert len(agent.posted) == 1 and commits(index) == [True] and agent.released == [1]
 
 
 def test_the_first_grant_brings_the_endpoint_of_the_store() -> None:
     index, agent = FakeIndex(), FakeAgent()
     worker = worker_with(index, agent, Clock(tick=0.001), knows_store=False)
     index.allocate.answer = grant([3], endpoint=STORE)
-    ref = worker.request_slots("r", [b"\x03"])
+    ref = worker.request_slots([b"\x03"])
     ray.wait([ref])
-    worker.save("r", [0], [b"\x03"], ref)
-    worker.poll()
+    worker.save([([0], [b"\x03"], ref)], block_size=16)
     assert index.allocate.calls[0][4] is None  # it asked as a worker knowing no incarnation
     assert index.endpoint.calls == [] and commits(index) == [True]
 
 
-def test_a_write_outliving_its_bound_is_detached_and_keeps_its_grant_until_the_transfer_ends() -> None:
+def test_a_write_outliving_its_step_keeps_its_grant_until_the_transfer_ends() -> None:
     index, agent = FakeIndex(), FakeAgent()
     agent.script = ["PROC"]
-    clock = Clock()
+    clock = Clock(tick=0.01)
     worker = worker_with(index, agent, clock)
-    save_one(worker, index, [3], "r1")
+    start = clock.now
+    save_one(worker, index, [3])
+    assert clock.now - start >= WRITE_TIMEOUT_S  # the step waited its bound, no longer
+    assert commits(index) == [] and agent.released == []  # the WRITE may still land: slots stay granted
     worker.poll()
-    assert worker.finished_saves({"r1"}) == set()
-    clock.now += WRITE_TIMEOUT_S
-    worker.poll()
-    # Past its bound the request's blocks are let go; the WRITE may still land: slots stay granted.
-    assert worker.finished_saves(set()) == {"r1"}
     assert commits(index) == [] and agent.released == []
     agent.end(1, "DONE")
     worker.poll()
-    # Ended after its request let go of the blocks, which may have been reused: given back.
+    # Ended after its step: the blocks it read may have been reused, so the grant is given back.
     assert commits(index) == [False] and agent.released == [1]
 
 
 def test_saves_to_a_store_with_a_stuck_write_are_skipped_and_given_back() -> None:
     index, agent = FakeIndex(), FakeAgent()
     agent.script = ["PROC"]
-    clock = Clock()
-    worker = worker_with(index, agent, clock)
+    worker = worker_with(index, agent, Clock(tick=0.01))
     save_one(worker, index, [3])
-    clock.now += WRITE_TIMEOUT_S
-    worker.poll()
     save_one(worker, index, [4])
     assert len(agent.posted) == 1  # no second WRITE into a stalled store
     assert commits(index) == [False]
 
 
-def test_a_grant_missing_its_bound_is_skipped_and_given_back_when_it_arrives() -> None:
+def test_a_grant_missing_its_step_is_skipped_and_given_back_when_it_arrives() -> None:
     index, agent = FakeIndex(), FakeAgent()
-    clock = Clock()
-    worker = worker_with(index, agent, clock)
+    worker = worker_with(index, agent, Clock(tick=0.001))
     index.allocate = _Method(grant([3]), delay_s=0.5)
-    ref = worker.request_slots("r1", [b"\x03"])
+    ref = worker.request_slots([b"\x03"])
     t0 = time.perf_counter()
-    worker.save("r1", [0], [b"\x03"], ref)
-    worker.poll()
-    assert time.perf_counter() - t0 < 0.1  # no step waited for the index
-    assert worker.finished_saves({"r1"}) == set()  # still waiting for its grant
-    clock.now += GRANT_WAIT_S
-    worker.poll()
-    assert worker.finished_saves(set()) == {"r1"} and agent.posted == {} and commits(index) == []
+    worker.save([([0], [b"\x03"], ref)], block_size=16)
+    assert time.perf_counter() - t0 < GRANT_WAIT_S + 0.1  # the step did not wait for the index
+    assert agent.posted == {} and commits(index) == []
     index.allocate.wait_answered()
     worker.poll()
     assert agent.posted == {} and commits(index) == [False]
@@ -375,7 +325,7 @@ def test_engine_start_survives_a_dead_index() -> None:
 
     index = KVIndexActor.remote()
     ray.kill(index, no_restart=True)
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", 16, agent=FakeAgent(), clock=Clock())
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=FakeAgent(), clock=Clock())
     worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
     assert worker.slot_bytes == SLOT
 
@@ -385,7 +335,7 @@ def test_engine_start_fails_when_its_blocks_do_not_fit_the_tier() -> None:
 
     index = KVIndexActor.remote()
     ray.get(index.set_slot_bytes.remote(SLOT * 2))
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", 16, agent=FakeAgent(), clock=Clock())
+    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=FakeAgent(), clock=Clock())
     with pytest.raises(ValueError, match="same model"):
         worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
     ray.kill(index)
