@@ -378,6 +378,10 @@ def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
             fix = f"remove it or use one of: {', '.join(struct.__struct_fields__)}"
     elif msg.startswith("Invalid enum value") and (choices := _choices_at(path)):
         fix = f"use one of: {', '.join(map(str, choices))}"
+    elif msg == "Expected `str`, got `bool`":
+        # YAML 1.1 reads an unquoted off/on/yes/no as a boolean.
+        example = f", e.g. `{field.rpartition('.')[2]}: \"{choices[-1]}\"`" if (choices := _choices_at(path)) else ""
+        fix = f"quote the value{example} (YAML reads unquoted off/on/yes/no as booleans)"
     elif msg.startswith("Expected"):
         fix = f"give `{field}` a value of the expected type"
     return ConfigError(f"{source}: invalid config field `{field}`: {msg}; fix: {fix}")

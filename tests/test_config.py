@@ -136,8 +136,9 @@ def test_validate_cli_accepts_an_example() -> None:
         ("kv_transfer: {connector: NotAConnector}\n", "NotAConnector"),
         ("model: {source: /definitely/not/here}\n", "model.source"),
         ("prefill: [1, 2\n", "not valid YAML"),
+        ("cpu: {bind_cores: off}\n", 'quote the value, e.g. `bind_cores: "off"`'),
     ],
-    ids=["unknown-field", "negative-replicas", "bad-connector", "missing-model", "bad-yaml"],
+    ids=["unknown-field", "negative-replicas", "bad-connector", "missing-model", "bad-yaml", "yaml-boolean"],
 )
 def test_validate_cli_rejects_broken_configs(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "broken.yaml"
