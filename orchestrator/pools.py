@@ -241,8 +241,8 @@ class PoolManager:
         return placement_group(bundles, strategy="STRICT_PACK", name=f"{self.app}-{engine_id}")
 
     def _replica(self, engine_id: str, role: Role, pg: PlacementGroup, slot: EngineSlot) -> Replica:
-        tier = self.cfg.cpu_tier
-        return Replica(engine_id, role, pg, slot, loads_tier=tier.enabled and role in tier.load_into)
+        loads_tier = self.cfg.cpu_tier.enabled and role in self.cfg.tier_pools()[1]
+        return Replica(engine_id, role, pg, slot, loads_tier=loads_tier)
 
     def _launch(self, r: Replica) -> None:
         """Create the replica's engine actor in its placement group and supervise it."""

@@ -71,13 +71,13 @@ class CpuTier:
 
     def settings(self, role: Role, node_id: str) -> TierSettings:
         """How an engine of `role` on `node_id` reaches the tier (its node's store)."""
-        tier = self.cfg.cpu_tier
+        save_from, load_into = self.cfg.tier_pools()
         return TierSettings(
             ray_address=self.gcs_address,
             namespace=self.namespace,
             index_actor=index_actor_name(self.app),
-            store_id=node_id[:12] if role in tier.save_from else None,
-            load=role in tier.load_into,
+            store_id=node_id[:12] if role in save_from else None,
+            load=role in load_into,
         )
 
     def release_engine(self, owner: str) -> None:

@@ -6,6 +6,7 @@ tier, two ingress replicas sharing one port, the official openai client.
 - blocks an engine evicts leave the routers' view of it;
 - under `conditional`, a prompt with little left to compute is prefilled on the decode
   engine and a long one remotely, each decision counted on /metrics;
+- what the decode engine prefills itself reaches the CPU tier, for the prefill engines;
 - usage.prompt_tokens_details.cached_tokens is right on both paths.
 """
 
@@ -174,6 +175,24 @@ def test_conditional_prefills_short_prompts_on_the_decode_engine(pd: Running) ->
                 key = f"{dict(labels)['decision']}:{dict(labels)['reason']}"
                 seen[key] = max(seen.get(key, 0), v)
     assert seen.get("local:short_uncached", 0) >= 1 and seen.get("remote:long_uncached", 0) >= 1, seen
+
+
+def test_a_prompt_prefilled_on_the_decode_engine_is_saved_to_the_tier(pd: Running) -> None:
+    """Under conditional the decode engine saves what it computes (cpu_tier's default pools):
+    a later remote prefill of a longer prompt loads that part from the tier, not computing it."""
+    def loaded_from_tier() -> float:
+        return sum(v.get("external_kv_transfer", 0) for v in prefill_tokens(pd).values())
+
+    head = prompt(80, 40)  # one full block, short: prefilled on the decode engine
+    before_remote = sum(finished_on(pd, "prefill").values())
+    complete(pd, head)
+    assert sum(finished_on(pd, "prefill").values()) == before_remote, "the short head went to the prefill pool"
+    before = loaded_from_tier()
+    complete(pd, head + prompt(81, 400))  # long and uncached: prefilled remotely
+    deadline = time.monotonic() + 30
+    while loaded_from_tier() - before < 32 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert loaded_from_tier() - before >= 32, prefill_tokens(pd)
 
 
 def test_cached_tokens_on_the_local_path(pd: Running) -> None:

@@ -209,6 +209,23 @@ def test_tier_pools_are_pool_roles() -> None:
         parse_config({"cpu_tier": {"save_from": ["prefil"]}})
 
 
+@pytest.mark.parametrize(
+    ("disaggregation", "tier", "expected"),
+    [
+        ("always", {}, ({"prefill", "both"}, {"prefill", "both"})),
+        ("conditional", {}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
+        ("never", {}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
+        ("conditional", {"save_from": ["prefill"], "load_into": []}, ({"prefill"}, set())),
+    ],
+)
+def test_tier_pools_default_to_the_pools_that_compute_prompts(
+    disaggregation: str, tier: dict[str, list[str]], expected: tuple[set[str], set[str]]
+) -> None:
+    """A decode engine that may prefill (conditional, never) saves and loads unless told not to."""
+    cfg = parse_config({"routing": {"disaggregation": disaggregation}, "cpu_tier": tier})
+    assert cfg.tier_pools() == expected
+
+
 def test_clear_drops_every_block_but_keeps_stores() -> None:
     index = index_with(endpoint(slots=2))
     save(index, "s0", [H[0], H[1]])

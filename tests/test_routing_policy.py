@@ -459,8 +459,8 @@ class _Tier:
 
 
 def test_the_tier_counts_for_a_local_prefill_only_where_the_decode_engine_loads_from_it() -> None:
-    """Decode engines do not load from the tier by default (cpu_tier.load_into): a prefix
-    the tier holds would be computed there, so it must not make a local prefill look cheap."""
+    """A decode engine that does not load from the tier (cpu_tier.load_into) would compute a prefix
+    the tier holds, so the tier must not make a local prefill there look cheap."""
     from orchestrator.cache_view import CacheView
 
     prompt = list(range(5000, 5000 + 10 * BLOCK))
