@@ -184,8 +184,9 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # pool is busy).
     disaggregation: Literal["always", "never", "conditional"] = "always"
     # conditional: prefill on the decode engine when the prompt tokens not already in its
-    # prefix cache or the CPU tier, times the requests that engine would hold up (those it
-    # runs, plus this one), are at most this many...
+    # prefix cache or the CPU tier (plus those of local prefills queued there), times the
+    # requests that engine would hold up (those it runs, plus this one), are at most this
+    # many...
     local_prefill_max_tokens: Annotated[int, Meta(ge=0)] = 256
     # ...or when every prefill replica has at least this many requests in flight.
     prefill_busy_requests: PositiveInt = 4

@@ -5,9 +5,12 @@ A remote prefill pays a second hop and a KV transfer to keep long prefills off t
 engines, where they would stall every running decode for a step. When the decode engine
 already holds most of the prompt (its prefix cache or the CPU tier), the part left is short
 and computing it in place is cheaper than the round trip, unless the engine is busy: the
-stall is paid by every request it runs, so the budget is the uncached tokens times the
-requests held up (the new one included). When the prefill pool is saturated, waiting for it
-costs more than the stall. A request that asks for its prompt's logprobs (echo with
+stall is paid by every request it runs, so the budget is the tokens it must compute before
+this request's first token (its own uncached ones, plus the local prefills already queued
+there) times the requests held up (the new one included). Counting the queue splits a burst
+of short turns between the decode engine and the prefill pool instead of stacking all of it
+on the one engine. When the prefill pool is saturated, waiting for it costs more than the
+stall. A request that asks for its prompt's logprobs (echo with
 logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
 in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
 Counted on /metrics by decision and reason.
@@ -38,19 +41,22 @@ def decide(
     decode_outstanding: int,
     prefill_outstanding: list[int],
     *,
+    decode_queued_tokens: float = 0.0,
     prompt_logprobs: bool = False,
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
     cache, or the CPU tier); `decode_outstanding`: requests in flight there;
     `prefill_outstanding`: requests in flight per healthy prefill replica (empty: none is
-    healthy, which the router handles as a fallback)."""
+    healthy, which the router handles as a fallback); `decode_queued_tokens`: prompt tokens
+    of local prefills sent to the decode engine that it has not computed yet."""
     if prompt_logprobs:
         return "local", "prompt_logprobs"
     if cfg.disaggregation == "always":
         return "remote", "always"
     if cfg.disaggregation == "never":
         return "local", "never"
-    if (prompt_tokens - decode_cached_tokens) * (1 + decode_outstanding) <= cfg.local_prefill_max_tokens:
+    to_compute = prompt_tokens - decode_cached_tokens + decode_queued_tokens
+    if to_compute * (1 + decode_outstanding) <= cfg.local_prefill_max_tokens:
         return "local", "short_uncached"
     if prefill_outstanding and min(prefill_outstanding) >= cfg.prefill_busy_requests:
         return "local", "prefill_busy"

@@ -315,6 +315,9 @@ class Router:
         roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("both",)
         self.pools: dict[str, EnginePicker] = {role: EnginePicker([], routing.policy) for role in roles}
         self.stats = RouterStats()
+        # Decode engine id -> prompt tokens of this router's local prefills there that have
+        # not produced their first token (conditional disaggregation's queue).
+        self._local_queued: dict[str, float] = {}
         # Tags this router's engine requests (EngineRequest.origin).
         self.origin = uuid.uuid4().hex[:12]
         self.set_engines(engines)
@@ -432,8 +435,11 @@ class Router:
             engine = await self._pick(self.pools["prefill"], prompt, exclude)
         return engine
 
-    async def _decide(self, request: EngineRequest, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace) -> Decision:
-        """Prefill this request remotely or on `decode` (routing.disaggregation), counted."""
+    async def _decide(
+        self, request: EngineRequest, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace
+    ) -> tuple[Decision, float]:
+        """Prefill this request remotely or on `decode` (routing.disaggregation), counted; with
+        the prompt tokens `decode` would compute itself."""
         cached = 0.0
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
             cached = self.cache.cached_tokens(decode, prompt)
@@ -442,10 +448,19 @@ class Router:
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
+                                  decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
                                   prompt_logprobs=request.sampling.prompt_logprobs is not None)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
-        return decision
+        return decision, len(request.prompt_token_ids) - cached
+
+    def _queue_local(self, engine_id: str, tokens: float) -> None:
+        """Count (tokens > 0) or uncount (< 0) a local prefill's tokens on a decode engine."""
+        left = self._local_queued.get(engine_id, 0.0) + tokens
+        if left > 1e-9:
+            self._local_queued[engine_id] = left
+        else:
+            self._local_queued.pop(engine_id, None)
 
     async def generate(
         self,
@@ -472,21 +487,32 @@ class Router:
         if self.cache is not None and (prefill_engine is None or decode_engine is None):  # not pinned
             self.cache.sync()
             prompt = self.cache.prompt(request.prompt_token_ids)
+        # A local prefill's (decode engine, prompt tokens it computes) until its first output.
+        local: tuple[str, float] | None = None
         try:
             first = decode_engine
             if self.disaggregated:
                 if first is None:
                     first = await self._pick(self._output_pool(), prompt)
+                decision, uncached = "remote", 0.0
+                if first is not None and prefill_engine is None:
+                    decision, uncached = await self._decide(request, prompt, first, trace)
                 if first is None:
                     self._fall_back(trace, "no_decode_engine")
-                elif prefill_engine is not None or await self._decide(request, prompt, first, trace) == "remote":
+                elif decision == "remote":
                     phase = "prefill"
                     kv_params = await self._prefill(request, trace, prefill_engine, prompt)
+                else:
+                    local = (first.engine_id, uncached)
+                    self._queue_local(*local)
             phase = "handoff"
             output = self._stream_output(request, trace, kv_params, decode_engine, first, prompt)
             async with contextlib.aclosing(output):  # a consumer that leaves aborts it now, not at GC
                 async for out in output:
                     phase = "decode"
+                    if local is not None:
+                        self._queue_local(local[0], -local[1])
+                        local = None
                     yield out
             if phase == "handoff":  # nothing streamed: the request ended before its first output
                 phase = "decode"
@@ -497,6 +523,8 @@ class Router:
             _count(self.stats.failed, "no_engine" if isinstance(err, NoEngineError) else "migration_limit")
             raise
         finally:
+            if local is not None:
+                self._queue_local(local[0], -local[1])
             self.stats.in_flight -= 1
             trace.t_done = time.perf_counter()
 

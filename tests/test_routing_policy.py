@@ -202,6 +202,9 @@ def test_decider_modes_and_thresholds() -> None:
     assert decide(cond, 5000, 4950, 0, [0]) == ("local", "short_uncached")  # decode holds the prefix
     # The same 50 tokens would hold up 3 running requests on the decode engine: remote.
     assert decide(cond, 5000, 4950, 3, [0]) == ("remote", "long_uncached")
+    # 50 tokens of local prefills already queued there come first: 100 x 2 held up.
+    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=0) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50) == ("remote", "long_uncached")
     assert decide(cond, 5000, 0, 0, [2, 3]) == ("local", "prefill_busy")
     assert decide(cond, 5000, 0, 0, [2, 0]) == ("remote", "long_uncached")
 
@@ -323,6 +326,51 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
     assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p"}
     assert router.stats.decisions["local:short_uncached"] == 1
     assert router.stats.decisions["remote:long_uncached"] == 1
+
+
+class GatedEngine(CachingEngine):
+    """A CachingEngine that holds every answer until `gate` is set (still prefilling)."""
+
+    def __init__(self, name: str, held_prompts: list[list[int]] = ()) -> None:
+        super().__init__(name, held_prompts)
+        self.gate = asyncio.Event()
+
+    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+        await self.gate.wait()
+        async for ref in super()._generate(req):
+            yield ref
+
+
+def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> None:
+    """A burst of short remainders: while the first one's tokens are still to be computed on
+    the decode engine, the next would wait behind them and hold up one more request, so it
+    goes remote; once the first has its first token, a short remainder is local again."""
+    prefill, decode = CachingEngine("p"), GatedEngine("d", [SYSTEM])
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=100)
+    router = Router([prefill.ref("prefill"), decode.ref("decode")], cfg)
+    traces = [RequestTrace() for _ in range(3)]
+
+    async def one(i: int) -> None:
+        req = EngineRequest(f"r{i}", SYSTEM + list(range(100 * i, 100 * i + 40)), SamplingParams(max_tokens=1))
+        async for _ in router.generate(req, traces[i]):
+            pass
+
+    async def go() -> None:
+        assert router.cache is not None
+        router.cache.sync()
+        await asyncio.sleep(0.05)
+        first = asyncio.create_task(one(0))  # 40 x 1 request: local
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(one(1))  # (40 queued + 40) x 2 requests > 100: remote
+        await asyncio.sleep(0.05)
+        decode.gate.set()
+        await asyncio.gather(first, second)
+        await one(2)  # nothing queued any more: local
+        await router.cache.close()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=10))
+    assert [t.disaggregation for t in traces] == ["local", "remote", "local"]
+    assert router._local_queued == {}
 
 
 def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
