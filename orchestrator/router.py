@@ -494,7 +494,8 @@ class Router:
             if self.disaggregated:
                 if first is None:
                     first = await self._pick(self._output_pool(), prompt)
-                decision, uncached = "remote", 0.0
+                decision: Decision = "remote"
+                uncached = 0.0
                 if first is not None and prefill_engine is None:
                     decision, uncached = await self._decide(request, prompt, first, trace)
                 if first is None:
