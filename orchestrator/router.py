@@ -399,7 +399,7 @@ class Router:
     @staticmethod
     def _tier_tokens(engine: EngineRef, tier: dict[str, int], cached: int) -> float:
         """The prompt tokens the CPU tier adds to `engine`'s `cached` ones, when the engine
-        loads from the tier at all (decode engines do not by default)."""
+        loads from the tier at all (a decode engine by default only when it may prefill)."""
         if not engine.loads_tier:
             return 0.0
         return tier_tokens(tier, engine.node_id, cached // engine.block_size, engine.block_size)

@@ -29,7 +29,9 @@ def _validate(args: argparse.Namespace) -> int:
     if args.show:
         import json
 
-        print(json.dumps(to_dict(cfg), indent=2))
+        shown = to_dict(cfg)
+        shown["cpu_tier"]["save_from"], shown["cpu_tier"]["load_into"] = (sorted(p) for p in cfg.tier_pools())
+        print(json.dumps(shown, indent=2))
     return 0
 
 

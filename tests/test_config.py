@@ -116,9 +116,10 @@ def test_preflight_bad_connector_name() -> None:
         preflight(parse_config({"kv_transfer": {"connector": "NoSuchConnector"}}))
 
 
-def _validate(path: Path) -> subprocess.CompletedProcess[str]:
+def _validate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "validate", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=300
+        [sys.executable, "-m", "tandem.cli", "validate", str(path), *flags], capture_output=True, text=True, cwd=ROOT,
+        timeout=300,
     )
 
 
@@ -126,6 +127,15 @@ def test_validate_cli_accepts_an_example() -> None:
     res = _validate(ROOT / "examples" / "1p1d-cpu.yaml")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("OK ")
+
+
+def test_validate_show_fills_in_derived_defaults() -> None:
+    """--show prints every default, the CPU tier's pools (derived from the routing) included."""
+    res = _validate(ROOT / "examples" / "routing-cpu.yaml", "--show")
+    assert res.returncode == 0, res.stderr
+    shown = json.loads(res.stdout.split("\n", 1)[1])
+    assert shown["routing"]["disaggregation"] == "conditional"
+    assert shown["cpu_tier"]["save_from"] == shown["cpu_tier"]["load_into"] == ["both", "decode", "prefill"]
 
 
 @pytest.mark.parametrize(
