@@ -183,12 +183,20 @@ def test_a_prompt_prefilled_on_the_decode_engine_is_saved_to_the_tier(pd: Runnin
     def loaded_from_tier() -> float:
         return sum(v.get("external_kv_transfer", 0) for v in prefill_tokens(pd).values())
 
-    head = prompt(80, 40)  # one full block, short: prefilled on the decode engine
-    before_remote = sum(finished_on(pd, "prefill").values())
-    complete(pd, head)
-    assert sum(finished_on(pd, "prefill").values()) == before_remote, "the short head went to the prefill pool"
+    # A head of one full block, short: prefilled on the decode engine, unless a load report
+    # of earlier requests is still stale at the other ingress replica (40 tokens x 2 held up
+    # is over the budget): then another head is tried.
+    for seed in range(80, 85):
+        time.sleep(1.0)
+        head = prompt(seed, 40)
+        before_remote = sum(finished_on(pd, "prefill").values())
+        complete(pd, head)
+        if sum(finished_on(pd, "prefill").values()) == before_remote:
+            break
+    else:
+        pytest.fail("every short head went to the prefill pool")
     before = loaded_from_tier()
-    complete(pd, head + prompt(81, 400))  # long and uncached: prefilled remotely
+    complete(pd, head + prompt(90, 400))  # long and uncached: prefilled remotely
     deadline = time.monotonic() + 30
     while loaded_from_tier() - before < 32 and time.monotonic() < deadline:
         time.sleep(0.5)
