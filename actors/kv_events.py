@@ -131,37 +131,36 @@ class KVEventFollower:
                 logger.exception("could not apply a KV-event batch from %s", self.endpoint)
 
     def apply(self, events: Sequence[Any]) -> None:
-        """Fold one batch of vLLM KV events into the held set (GPU blocks of group 0 only)."""
-        stored: list[int] = []
-        removed: list[int] = []
+        """Fold one batch of vLLM KV events into the held set (GPU blocks of group 0 only), in
+        order: a block evicted and stored again within the batch stays held."""
+        net: dict[int, bool] = {}  # key -> held after the batch
         cleared = False
         for ev in events:
             kind = type(ev).__name__
             if kind == "AllBlocksCleared":
-                cleared, stored, removed = True, [], []
+                cleared, net = True, {}
             elif getattr(ev, "medium", None) not in (None, "GPU") or (getattr(ev, "group_idx", None) or 0) != 0:
                 continue
-            elif kind == "BlockStored":
-                stored.extend(as_key(h) for h in ev.block_hashes)
-            elif kind == "BlockRemoved":
-                removed.extend(as_key(h) for h in ev.block_hashes)
-        if not (stored or removed or cleared):
-            return
+            elif kind in ("BlockStored", "BlockRemoved"):
+                net.update(dict.fromkeys((as_key(h) for h in ev.block_hashes), kind == "BlockStored"))
+        if net or cleared:
+            self._change([k for k, held in net.items() if held], [k for k, held in net.items() if not held], cleared)
+
+    def poke(self) -> None:
+        """Something routers read with the cache changed (the engine's load: a request arrived
+        or left). It takes a version of its own, an empty delta, so that a router between two
+        calls when it happens still sees it at once instead of at its next timeout."""
+        self._change([], [], False)
+
+    def _change(self, stored: list[int], removed: list[int], cleared: bool) -> None:
+        """Apply one change, log it under the next version and wake every `wait_changed`."""
         with self._lock:
             if cleared:
                 self.held.clear()
-            for k in stored:
-                self.held.add(k)
-            for k in removed:
-                self.held.discard(k)
+            self.held.update(stored)
+            self.held.difference_update(removed)
             self.version += 1
             self.log.append(CacheDelta(self.version, stored, removed, cleared))
-        self.poke()
-
-    def poke(self) -> None:
-        """Wake every `wait_changed` now: the cache changed, or something routers read with it
-        (the engine's load: a request arrived or left) did."""
-        with self._lock:
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
@@ -181,7 +180,8 @@ class KVEventFollower:
             return self.version, list(self.held)
 
     async def wait_changed(self, version: int, timeout_s: float) -> None:
-        """Return when the version differs from `version`, at a `poke`, or after `timeout_s`."""
+        """Return when the version differs from `version` (a cache or load change) or after
+        `timeout_s`."""
         event = asyncio.Event()
         with self._lock:
             if self.version != version:

@@ -21,6 +21,16 @@ MODEL = "tandem-tiny"
 VOLATILE = {"id", "created", "created_at", "system_fingerprint", "call_id", "item_id", "response_id"}
 # Request ids inside error messages.
 UUID = re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}|[0-9a-f]{32}")
+# The wall-clock stamp xgrammar puts in its errors ("[18:33:46] <path>:83: Regex parsing error").
+CLOCK = re.compile(r"\[\d\d:\d\d:\d\d\]")
+
+
+def normalize_error(err: Any) -> Any:
+    """An error object without what differs between two servers: ids, and the request ids and
+    clock stamps inside its message."""
+    if not isinstance(err, dict):
+        return err
+    return {**normalize(err), "message": CLOCK.sub("[<time>]", UUID.sub("<id>", str(err.get("message"))))}
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,7 @@ def fold_stream(events: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"choices": {}, "usage": None, "errors": [], "types": []}
     for e in events:
         if "error" in e and "choices" not in e:
-            out["errors"].append(normalize(e["error"]))
+            out["errors"].append(normalize_error(e["error"]))
             continue
         if "type" in e and "choices" not in e:  # /v1/responses events
             if e["type"] not in out["types"]:
@@ -198,8 +208,7 @@ def observe(client: httpx.Client, base: str, case: Case) -> dict[str, Any]:
         seen["text"] = r.text
         return seen
     if isinstance(body, dict) and "error" in body:
-        err = body["error"]
-        seen["error"] = {**err, "message": UUID.sub("<id>", str(err.get("message")))} if isinstance(err, dict) else err
+        seen["error"] = normalize_error(body["error"])
     else:
         seen["body"] = normalize(body)
     return seen

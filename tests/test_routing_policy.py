@@ -93,12 +93,35 @@ def test_follower_reads_vllms_publisher(tmp_path: Path) -> None:
         assert follower.held == {as_key(h) for h in hashes[1:3]}
         current, deltas = follower.changes_since(v)
         assert current == v + 1 and deltas is not None and deltas[0].removed == [as_key(hashes[0])]
+        # Evicted and stored again within one batch: held, as the events' order says.
+        publisher.publish(KVEventBatch(ts=time.time(), events=[
+            BlockRemoved(block_hashes=[published[1]], medium="GPU"), stored([published[1]])]))
+        wait_version(v + 2)
+        assert follower.held == {as_key(h) for h in hashes[1:3]}
+        v += 1
         publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
         wait_version(v + 2)
         assert follower.held == set()
         assert follower.changes_since(10_000)[1] is None  # a version it never had: snapshot
     finally:
         publisher.shutdown()
+        follower.close()
+
+
+def test_a_load_change_between_two_router_calls_is_not_missed(tmp_path: Path) -> None:
+    """A request that ends while a router is between two cache_updates calls (no waiter at
+    that moment) must answer the router's next call at once, not at its 1 s timeout: the
+    other ingress replicas would count the finished request as queued until then."""
+    follower = KVEventFollower(f"ipc://{tmp_path}/events")
+    try:
+        v = follower.version
+        follower.poke()  # the engine's load changed; nobody is waiting
+
+        # Its own timeout far beyond the 10 s given: only a change seen at once returns in time.
+        asyncio.run(asyncio.wait_for(follower.wait_changed(v, timeout_s=3600.0), timeout=10.0))
+        current, deltas = follower.changes_since(v)  # an empty delta, not a full snapshot
+        assert current == v + 1 and deltas is not None and not deltas[0].stored and not deltas[0].removed
+    finally:
         follower.close()
 
 
