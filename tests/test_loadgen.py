@@ -9,6 +9,7 @@ Special prompts make it fail: "FAIL" answers HTTP 500, "BREAK" sends an error ch
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -249,6 +250,16 @@ def test_a_run_records_how_busy_this_host_was(server) -> None:
     _, url = server
     host = _run(url, _requests(2), concurrency=2).host_cpu
     assert host is not None and 0.0 <= host.steal <= host.busy <= 1.0
+
+
+def test_a_run_freezes_what_this_process_held_before_measuring(server) -> None:
+    """A full garbage collection over a process holding vLLM, torch and Ray stalls the client
+    for half a second; objects frozen before measuring are never scanned again."""
+    _, url = server
+    held = [[] for _ in range(10_000)]  # containers: what the collector tracks
+    before = gc.get_freeze_count()
+    _run(url, _requests(1))
+    assert gc.get_freeze_count() >= before + len(held)
 
 
 def test_constant_arrivals_are_evenly_spaced() -> None:
