@@ -9,8 +9,12 @@ stall is paid by every request it runs, so the budget is the tokens it must comp
 this request's first token (its own uncached ones, plus the local prefills already queued
 there) times the requests held up (the new one included). Counting the queue splits a burst
 of short turns between the decode engine and the prefill pool instead of stacking all of it
-on the one engine. When the prefill pool is saturated, waiting for it costs more than the
-stall. A request that asks for its prompt's logprobs (echo with
+on the one engine. The budget grows by what the best prefill replica would have ahead of
+this request beyond the decode engine's part (its own queue, and the prompt tokens it lacks
+that the decode engine holds): a chat whose history only the decode engine still caches
+(it prefilled the earlier turns) is not sent to compute that history again, while a prompt
+both hold alike is judged by the budget alone. When the prefill pool is saturated, waiting
+for it costs more than the stall. A request that asks for its prompt's logprobs (echo with
 logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
 in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
 Counted on /metrics by decision and reason.
@@ -24,12 +28,13 @@ from orchestrator.config import RoutingConfig
 
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
-# on the decode engine, for the requests it would hold up; prefill_busy: every prefill replica
-# is saturated; long_uncached: worth a remote prefill; prompt_logprobs: the request needs
-# its prompt computed where its output streams.
-Reason = Literal["always", "never", "short_uncached", "prefill_busy", "long_uncached", "prompt_logprobs"]
+# on the decode engine, for the requests it would hold up; remote_costlier: more, but the
+# prefill pool would have more still ahead of it; prefill_busy: every prefill replica is
+# saturated; long_uncached: worth a remote prefill; prompt_logprobs: the request needs its
+# prompt computed where its output streams.
+Reason = Literal["always", "never", "short_uncached", "remote_costlier", "prefill_busy", "long_uncached", "prompt_logprobs"]
 DECISIONS: tuple[tuple[Decision, Reason], ...] = (
-    ("remote", "always"), ("local", "never"), ("local", "short_uncached"),
+    ("remote", "always"), ("local", "never"), ("local", "short_uncached"), ("local", "remote_costlier"),
     ("local", "prefill_busy"), ("remote", "long_uncached"), ("local", "prompt_logprobs"),
 )
 
@@ -42,13 +47,16 @@ def decide(
     prefill_outstanding: list[int],
     *,
     decode_queued_tokens: float = 0.0,
+    prefill_ahead_tokens: float = 0.0,
     prompt_logprobs: bool = False,
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
     cache, or the CPU tier); `decode_outstanding`: requests in flight there;
     `prefill_outstanding`: requests in flight per healthy prefill replica (empty: none is
     healthy, which the router handles as a fallback); `decode_queued_tokens`: prompt tokens
-    of local prefills sent to the decode engine that it has not computed yet."""
+    of local prefills sent to the decode engine that it has not computed yet;
+    `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
+    request's first token (its queue and this prompt's uncached part; 0: unknown)."""
     if prompt_logprobs:
         return "local", "prompt_logprobs"
     if cfg.disaggregation == "always":
@@ -56,8 +64,11 @@ def decide(
     if cfg.disaggregation == "never":
         return "local", "never"
     to_compute = prompt_tokens - decode_cached_tokens + decode_queued_tokens
-    if to_compute * (1 + decode_outstanding) <= cfg.local_prefill_max_tokens:
+    stall = to_compute * (1 + decode_outstanding)
+    if stall <= cfg.local_prefill_max_tokens:
         return "local", "short_uncached"
+    if stall <= cfg.local_prefill_max_tokens + prefill_ahead_tokens - to_compute:
+        return "local", "remote_costlier"
     if prefill_outstanding and min(prefill_outstanding) >= cfg.prefill_busy_requests:
         return "local", "prefill_busy"
     return "remote", "long_uncached"

@@ -54,7 +54,7 @@ from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide
 from orchestrator.protocol import EngineRef
-from orchestrator.scoring import EngineFacts, choose, new_tokens, tier_tokens
+from orchestrator.scoring import EngineFacts, ahead_tokens, choose, new_tokens, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
@@ -440,15 +440,20 @@ class Router:
     ) -> tuple[Decision, float]:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted; with
         the prompt tokens `decode` would compute itself."""
-        cached = 0.0
-        if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
-            cached = self.cache.cached_tokens(decode, prompt)
-            cached += self._tier_tokens(decode, await self.cache.tier_prefix(decode, prompt), cached)
+        cached = ahead = 0.0
         picker = self.pools["prefill"]
+        if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
+            tier = await self.cache.tier_prefix(decode, prompt)
+            cached = self.cache.cached_tokens(decode, prompt)
+            cached += self._tier_tokens(decode, tier, cached)
+            n = len(prompt.token_ids)
+            ahead = min((ahead_tokens(self._facts(e, picker, prompt, tier), n, self.routing) for e in picker.candidates()),
+                        default=0.0)
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
                                   decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
+                                  prefill_ahead_tokens=ahead,
                                   prompt_logprobs=request.sampling.prompt_logprobs is not None)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision

@@ -64,11 +64,16 @@ def _share(tokens: float, prompt_tokens: int) -> float:
     return min(1.0, tokens / prompt_tokens) if prompt_tokens > 0 else 0.0
 
 
+def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
+    """The tokens the replica computes before the first token of a request of `n` prompt
+    tokens: those queued on it, then the request's own (`new_tokens`)."""
+    return f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
+
+
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """1 / (1 + the tokens ahead of this request's first token, in prompts of its size), the
     tokens its blocks would evict (and so someone computes again) counting `evict_cost`."""
-    ahead = f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
-    ahead += cfg.evict_cost * f.evicted_tokens
+    ahead = ahead_tokens(f, n, cfg) + cfg.evict_cost * f.evicted_tokens
     return 1.0 / (1.0 + ahead / max(n, 1))
 
 

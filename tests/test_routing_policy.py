@@ -228,6 +228,11 @@ def test_decider_modes_and_thresholds() -> None:
     # 50 tokens of local prefills already queued there come first: 100 x 2 held up.
     assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=0) == ("local", "short_uncached")
     assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50) == ("remote", "long_uncached")
+    # The same 100 tokens x 2 held up, where the best prefill replica lacks 400 of the prompt
+    # the decode engine holds (it prefilled the earlier turns): local.
+    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50, prefill_ahead_tokens=500) == ("local", "remote_costlier")
+    # A prefill replica with the same cache as the decode engine adds nothing to the budget.
+    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50, prefill_ahead_tokens=50) == ("remote", "long_uncached")
     assert decide(cond, 5000, 0, 0, [2, 3]) == ("local", "prefill_busy")
     assert decide(cond, 5000, 0, 0, [2, 0]) == ("remote", "long_uncached")
 
@@ -351,6 +356,24 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
     assert router.stats.decisions["remote:long_uncached"] == 1
 
 
+def test_conditional_keeps_a_history_only_the_decode_engine_holds_local() -> None:
+    """A chat's earlier turns were prefilled on the decode engine; the prefill replica holds
+    only the system prompt. The next turn's remainder is over the budget for the request it
+    holds up, but a remote prefill would compute the whole history again: local."""
+    history = SYSTEM + list(range(5000, 5000 + 8 * BLOCK))
+    prefill, decode = CachingEngine("p", [SYSTEM]), CachingEngine("d", [history])
+    decode.requests_by_origin = {"another-ingress": 1}  # a request decoding there
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=64)
+    router = Router([prefill.ref("prefill"), decode.ref("decode")], cfg)
+    turn = RequestTrace()
+    serve_one(router, history + list(range(9000, 9040)), turn)  # 40 new x 2 held up > 64
+    assert turn.disaggregation == "local" and not prefill.requests
+    assert router.stats.decisions["local:remote_costlier"] == 1
+    fresh = RequestTrace()  # neither holds it: the budget alone decides
+    serve_one(router, SYSTEM + list(range(7000, 7040)), fresh)
+    assert fresh.disaggregation == "remote" and len(prefill.requests) == 1
+
+
 class GatedEngine(CachingEngine):
     """A CachingEngine that holds every answer until `gate` is set (still prefilling)."""
 
@@ -368,7 +391,7 @@ def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> 
     """A burst of short remainders: while the first one's tokens are still to be computed on
     the decode engine, the next would wait behind them and hold up one more request, so it
     goes remote; once the first has its first token, a short remainder is local again."""
-    prefill, decode = CachingEngine("p"), GatedEngine("d", [SYSTEM])
+    prefill, decode = CachingEngine("p", [SYSTEM]), GatedEngine("d", [SYSTEM])
     cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=100)
     router = Router([prefill.ref("prefill"), decode.ref("decode")], cfg)
     traces = [RequestTrace() for _ in range(3)]
