@@ -23,7 +23,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
 from actors.logs import setup_logging
 from actors.resume import ResumedText
+from actors.stream import Emit, StreamServer
 from actors.protocol import (
     TRANSFER_BUCKETS,
     CacheUpdate,
@@ -83,9 +84,8 @@ HANDOFF_TTL_S = 120.0
 # How long `abort` waits for the request's run to take vLLM's last output: a prefill that
 # finished just before the abort has its answer there, not yet remembered.
 ABORT_DRAIN_S = 1.0
-# How long a request whose caller left is aborted again and again until vLLM ends it.
-ABORT_RETRY_S = 10.0
-# How many of the latest request ids an engine remembers having started.
+# How many of the latest request ids an engine remembers having started, and having been
+# told to abort before they arrived.
 STARTED_MEMORY = 10_000
 # A router's cache_updates call that saw a change (or timed out) waits this long more, so
 # that the events of one busy stretch reach routers in a few calls rather than one per step.
@@ -212,7 +212,8 @@ def _has_text(out: Any) -> bool:
 
 @ray.remote
 class EngineActor:
-    """A vLLM engine behind Ray calls: generate (streaming), abort, health, stats."""
+    """A vLLM engine: requests and their outputs on the token path (actors.stream); abort,
+    health, stats and the KV-cache long-poll as Ray calls."""
 
     def __init__(self, spec: EngineSpec) -> None:
         """Build the engine (blocks until vLLM's engine core is up). Ray queues calls to the
@@ -234,10 +235,14 @@ class EngineActor:
         self._handed_off: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         # request id -> set when its run on vLLM has ended (`_run`)
         self._streams: dict[str, asyncio.Event] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        # Requests running here that `abort` was called for: each ends at its next output even
+        # when vLLM did not know it yet when the abort came.
+        self._aborting: set[str] = set()
         # The latest request ids this engine was given (`abort` tells a request that never
-        # started here from one that ended).
+        # started here from one that ended), and those aborted before they arrived: the token
+        # path and Ray's abort call are two channels, so an abort may overtake its request.
         self._started: OrderedDict[str, None] = OrderedDict()
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()
         ctx = ray.get_runtime_context()
         if spec.node_id is not None and ctx.get_node_id() != spec.node_id:
             raise EngineMovedError(
@@ -265,6 +270,8 @@ class EngineActor:
         self.llm: Any = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
         vcfg = self.llm.vllm_config
         hash_algo, hash_seed = hash_settings(spec.engine_args)
+        # Routers send requests and read outputs over this socket (actors.stream), not Ray calls.
+        self.stream = StreamServer(ray.util.get_node_ip_address())
         side = None
         if kv_transfer is not None:
             side = f"{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_HOST')}:{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')}"
@@ -285,10 +292,14 @@ class EngineActor:
             hash_algo=hash_algo,
             hash_seed=hash_seed,
             num_blocks=vcfg.cache_config.num_gpu_blocks or 0,
+            stream_address=self.stream.address,
         )
         # As vLLM's own server does after start-up: the objects made so far (torch, vLLM, Ray)
         # stay, and a full collection over them took ~0.3 s here, a stall of every stream.
         freeze_gc_heap()
+        # Ray runs an async actor's constructor on the actor's event loop, which serves the
+        # token path from here on.
+        self.stream.start(self._run)
         logger.info("engine %s (%s) ready: %s", spec.engine_id, spec.role, self._info)
 
     def info(self) -> EngineInfo:
@@ -298,32 +309,6 @@ class EngineActor:
         """The engine's resolved VllmConfig, for the ingress's renderer (orchestrator.engine_client):
         it tokenizes and applies defaults exactly as this engine would."""
         return self.llm.vllm_config
-
-    async def generate(self, req: EngineRequest) -> AsyncIterator[Any]:
-        """Stream the request's vLLM RequestOutputs as deltas, without the prompt (the router has
-        it); the last one is finished.
-
-        The vLLM request runs in a task of its own (`_run`), not in this stream: when the caller
-        leaves, Ray cancels this stream, and a cancel landing inside vLLM's generate would drop
-        the output waiting there (a prefill's answer, so its blocks stay held until NIXL's
-        lease ends) or stop a decode before vLLM saw it (the prefill's blocks, again). Here a
-        cancelled stream becomes an abort, and `_run` takes vLLM's last output as usual."""
-        outputs: asyncio.Queue[Any] = asyncio.Queue()
-        ended = self._streams[req.request_id] = asyncio.Event()
-        self._started[req.request_id] = None
-        if len(self._started) > STARTED_MEMORY:
-            self._started.popitem(last=False)
-        runner = asyncio.create_task(self._run(req, outputs, ended))
-        try:
-            while (item := await outputs.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            if not runner.done():
-                aborting = asyncio.create_task(self._abort_until_ended(req.request_id, ended))
-                self._background.add(aborting)
-                aborting.add_done_callback(self._background.discard)
 
     def _params(self, req: EngineRequest, resumed: ResumedText | None) -> Any:
         """vLLM's SamplingParams for `req`: streamed as deltas, with the KV hand-off's params."""
@@ -337,8 +322,19 @@ class EngineActor:
             params.stop = []  # checked by ResumedText, over the whole output
         return params
 
-    async def _run(self, req: EngineRequest, outputs: asyncio.Queue[Any], ended: asyncio.Event) -> None:
-        """Run one request on vLLM to its last output, putting its deltas (then None) in `outputs`."""
+    async def _run(self, req: EngineRequest, emit: Emit) -> None:
+        """Run one request on vLLM to its last output, emitting its RequestOutputs to the router
+        as deltas, without the prompt (the router has it); what vLLM raises goes to the router.
+
+        A request ends early when its router is gone (the token path refuses the output) or
+        `abort` was called for it; leaving vLLM's stream early aborts the request in vLLM."""
+        rid = req.request_id
+        if self._aborted_early.pop(rid, None) is not None:
+            return  # its router gave up on it before it arrived; `abort` released what it held
+        ended = self._streams[rid] = asyncio.Event()
+        self._started[rid] = None
+        if len(self._started) > STARTED_MEMORY:
+            self._started.popitem(last=False)
         resumed = None
         if req.resume_from is not None:
             resumed = ResumedText(
@@ -378,16 +374,15 @@ class EngineActor:
                     # The router has the prompt and puts it back: a long prompt's ids are not
                     # pickled into every streamed chunk.
                     out.prompt, out.prompt_token_ids = None, None
-                    outputs.put_nowait(out)
-                    if out.finished:
-                        return  # a stop string found here: closing the stream aborts vLLM's request
-        except Exception as err:  # vLLM's (a bad request, a dead engine core): the caller's to see
-            outputs.put_nowait(err)
+                    if not await emit(out) or out.finished or rid in self._aborting:
+                        # Its router is gone, it was aborted, or a stop string was found here:
+                        # closing vLLM's stream aborts vLLM's request if it still runs.
+                        return
         finally:
-            outputs.put_nowait(None)
             ended.set()
-            if self._streams.get(req.request_id) is ended:
-                del self._streams[req.request_id]
+            self._aborting.discard(rid)
+            if self._streams.get(rid) is ended:
+                del self._streams[rid]
             self.load.add(-1, -remaining)
             self.requests_by_origin[req.origin] -= 1
             if not self.requests_by_origin[req.origin]:
@@ -397,19 +392,6 @@ class EngineActor:
                 self.stats.num_requests_finished += 1
             else:
                 self.stats.num_requests_aborted += 1
-
-    async def _abort_until_ended(self, request_id: str, ended: asyncio.Event) -> None:
-        """Abort a request whose caller left, again until its run ends: an abort that reaches
-        vLLM before the request itself does is a no-op."""
-        deadline = time.monotonic() + ABORT_RETRY_S
-        while not ended.is_set():
-            await self.llm.abort(request_id)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(ended.wait(), 0.1)
-            if time.monotonic() > deadline and not ended.is_set():
-                logger.warning("request %s still runs %.0f s after its caller left and it was aborted",
-                               request_id, ABORT_RETRY_S)
-                return
 
     def _remember_handoff(self, request_id: str, kv_params: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -421,12 +403,19 @@ class EngineActor:
         """Stop a request and free its blocks (a no-op if it already finished). For a prefill
         that had already finished, returns the kv_transfer_params it answered with: its blocks
         are held for a decode engine that will never come, and only a decode engine can
-        release them (`release_remote_kv`). A decode (`kv_transfer_params`: the prefill's
-        answer) that never started here, its call cancelled by Ray before it ran, releases the
-        prefill's blocks itself: no one else would."""
-        if request_id not in self._started and kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
-            await self.release_remote_kv(f"{request_id}-release", kv_transfer_params)
+        release them (`release_remote_kv`). A request that has not arrived yet (the abort, a Ray
+        call, overtook it on the token path) will not run when it does; a decode among those
+        (`kv_transfer_params`: the prefill's answer) releases the prefill's blocks now: no one
+        else would."""
+        if request_id not in self._started:
+            self._aborted_early[request_id] = None
+            if len(self._aborted_early) > STARTED_MEMORY:
+                self._aborted_early.popitem(last=False)
+            if kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
+                await self.release_remote_kv(f"{request_id}-release", kv_transfer_params)
             return None
+        if request_id in self._streams:
+            self._aborting.add(request_id)
         await self.llm.abort(request_id)
         if (stream_ended := self._streams.get(request_id)) is not None:
             # After an abort vLLM ends the stream at once, with its last output: the prefill's
@@ -486,3 +475,4 @@ class EngineActor:
             self.llm.shutdown()
             self.llm = None
         self.kv_events.close()
+        self.stream.close()

@@ -1,7 +1,7 @@
 """Messages between the router and engine actors: typed msgspec Structs, no vLLM imports.
 
 A request carries vLLM's own SamplingParams and comes back as vLLM's own RequestOutputs
-(both opaque here, pickled by Ray); everything Tandem adds around them is typed here. Only
+(both opaque here, pickled on the token path, actors.stream); everything Tandem adds around them is typed here. Only
 what a request needs crosses the process boundary.
 """
 
@@ -21,7 +21,7 @@ TRANSFER_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 
 class EngineRequest(msgspec.Struct, frozen=True):
     """One request for one engine. The ingress renders OpenAI requests with vLLM's own serving
     layer, so the prompt arrives as token ids and the sampling settings as vLLM's
-    `SamplingParams` (pickled by Ray, so every field vLLM accepts reaches the engine)."""
+    `SamplingParams` (pickled whole, so every field vLLM accepts reaches the engine)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -76,6 +76,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # The engine's KV cache in blocks (vLLM's num_gpu_blocks): how much its prefix cache can
     # hold before storing a block evicts another.
     num_blocks: int = 0
+    # Where routers send requests and read outputs (actors.stream): tcp://<node ip>:<port>.
+    stream_address: str = ""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ import msgspec
 import ray
 
 from actors.protocol import EngineRequest
+from actors.stream import stream
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.tiny_model import prepare_tiny_model
@@ -49,11 +50,11 @@ class Figures(msgspec.Struct):
 async def ttft_ms(handle: Any, request_id: str, tokens: list[int]) -> float:
     from vllm.sampling_params import SamplingParams
 
-    t0 = time.perf_counter()
     first: float | None = None
     req = EngineRequest(request_id, tokens, SamplingParams(max_tokens=4, temperature=0.0))
-    async for ref in handle.generate.remote(req):
-        out = await ref
+    address = (await handle.info.remote()).stream_address
+    t0 = time.perf_counter()
+    async for out in stream(address, req):
         if first is None and out.outputs[0].token_ids:
             first = time.perf_counter()
     assert first is not None

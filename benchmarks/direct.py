@@ -117,7 +117,10 @@ async def run_direct(
     with tqdm(total=len(requests), desc=label, unit="req") as bar:
         sender = DirectSender(router, tokenizer, config, bar)
         before = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
-        results, elapsed, host_cpu, server_cpu = await measure(sender, requests, schedule, duration_s, cpu_meter)
+        try:
+            results, elapsed, host_cpu, server_cpu = await measure(sender, requests, schedule, duration_s, cpu_meter)
+        finally:
+            router.close()
         after = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
     return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu), sender.traces

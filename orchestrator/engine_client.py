@@ -26,7 +26,6 @@ from vllm.renderers import renderer_from_config
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
-from ray.exceptions import RayError
 
 from actors.protocol import EngineRequest
 from orchestrator.router import (
@@ -36,7 +35,6 @@ from orchestrator.router import (
     RequestTrace,
     Router,
     UnresumableError,
-    is_client_error,
 )
 
 class Arrival:
@@ -124,10 +122,6 @@ class TandemEngineClient(EngineClient):
                     merged.add(out, aggregate=True)
                 if kind == RequestOutputKind.CUMULATIVE or merged.finished:
                     yield merged
-        except RayError as err:
-            if is_client_error(err):
-                raise err.cause from None  # type: ignore[attr-defined]  # vLLM's own check, its own type
-            raise RetryableRequestError(f"an engine failed while serving the request: {err}") from err
         except SERVICE_ERRORS as err:
             raise RetryableRequestError(str(err)) from err
         else:

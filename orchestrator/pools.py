@@ -123,7 +123,7 @@ class Replica:
         assert self.info is not None
         i = self.info
         return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed,
-                         i.node_id, self.loads_tier, i.num_blocks)
+                         i.node_id, self.loads_tier, i.num_blocks, i.stream_address)
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None
@@ -412,6 +412,8 @@ class PoolManager:
                 pass
         except Exception as err:
             return f"handshake pre-warm {p.engine_id} -> {d.engine_id} failed: {_first_line(err)}"
+        finally:
+            router.close()
         if trace.fallback:
             return (
                 f"handshake pre-warm {p.engine_id} -> {d.engine_id} failed ({trace.fallback}); check the "

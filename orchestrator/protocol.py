@@ -21,8 +21,9 @@ REPLICA_STATES: tuple[ReplicaState, ...] = ("starting", "healthy", "unhealthy", 
 
 
 class EngineRef(msgspec.Struct, frozen=True):
-    """An engine as a router sees it: an id, a role, the Ray actor handle, and the
-    incarnation (process start) the handle reached when the engine was last seen healthy."""
+    """An engine as a router sees it: an id, a role, the Ray actor handle (control calls), the
+    token path's address (requests and outputs), and the incarnation (process start) they
+    reached when the engine was last seen healthy."""
 
     engine_id: str
     role: Role
@@ -39,6 +40,8 @@ class EngineRef(msgspec.Struct, frozen=True):
     loads_tier: bool = False
     # The engine's KV cache in blocks (0: unknown); what a router weighs evictions against.
     num_blocks: int = 0
+    # Where the router sends requests and reads their outputs (EngineInfo.stream_address).
+    stream_address: str = ""
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

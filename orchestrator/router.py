@@ -47,9 +47,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from typing import Any, Literal, get_args
 
 import msgspec
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 
 from actors.protocol import EngineRequest, Role
+from actors.stream import EngineStreams, RemoteError, StreamLost
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide
@@ -98,48 +99,40 @@ def is_client_error(err: BaseException) -> bool:
     the request's fault: no retry, no engine marked failed, the client gets a 4xx."""
     from vllm.exceptions import VLLMClientError
 
-    return isinstance(err, RayTaskError) and isinstance(err.cause, (ValueError, TypeError, VLLMClientError))
-
-
-def _as_failure(engine: EngineRef, err: RayError) -> EngineFailure:
-    """A Ray error of a call to `engine` in words. Only a dead or unreachable actor process is
-    `engine_down` (the router skips it at once); other errors (vLLM's engine core died, a bug)
-    are left for the pool manager's health check to judge."""
-    if isinstance(err, RayTaskError):
-        cause = f"{type(err.cause).__name__}: {err.cause}"
-    else:
-        cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}"
-    return EngineFailure(engine, cause, engine_down=isinstance(err, RayActorError))
+    return isinstance(err, (ValueError, TypeError, VLLMClientError))
 
 
 async def stream_engine(
+    streams: EngineStreams,
     engine: EngineRef,
     req: EngineRequest,
     on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Any]:
-    """Stream an engine actor's vLLM RequestOutputs; abort the request there if the consumer
-    stops early.
+    """Stream an engine's vLLM RequestOutputs over the token path; abort the request there if
+    the consumer stops early.
 
-    Raises EngineFailure when the engine fails (a client error from vLLM's checks is raised
-    as it is). Ends at the finished output instead of waiting for Ray's end of stream: that
-    wait is one more hop on every request. An abort of a prefill that had already finished
-    returns its kv_transfer_params, handed to `on_held_kv` to release the held blocks.
+    Raises EngineFailure when the engine fails (`engine_down` when its connection was lost);
+    an input vLLM's checks in the engine rejected is raised as vLLM raised it. Ends at the
+    finished output instead of waiting for the stream's end frame. An abort of a prefill that
+    had already finished returns its kv_transfer_params, handed to `on_held_kv` to release
+    the held blocks.
     """
     finished = False
     engine_gone = False
     try:
         try:
-            async for ref in engine.handle.generate.remote(req):
-                out = await ref
+            async for out in streams.generate(engine.stream_address, req):
                 finished = out.finished
                 yield out
                 if finished:
                     return
-        except RayError as err:
-            if is_client_error(err):
-                raise
-            engine_gone = isinstance(err, RayActorError)
-            raise _as_failure(engine, err) from err
+        except StreamLost as err:
+            engine_gone = True
+            raise EngineFailure(engine, str(err), engine_down=True) from err
+        except RemoteError as err:
+            if is_client_error(err.cause):
+                raise err.cause from None
+            raise EngineFailure(engine, str(err), engine_down=False) from err
         raise EngineFailure(engine, "its stream ended before the request finished", engine_down=False)
     finally:
         if not finished and not engine_gone:
@@ -320,12 +313,15 @@ class Router:
         self._local_queued: dict[str, float] = {}
         # Tags this router's engine requests (EngineRequest.origin).
         self.origin = uuid.uuid4().hex[:12]
+        # The token path to each engine (requests out, outputs back).
+        self.streams = EngineStreams()
         self.set_engines(engines)
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
         """The engines requests may go to now (the pool manager's routing table)."""
         for role, picker in self.pools.items():
             picker.set_engines([e for e in engines if e.role == role])
+        self.streams.keep({e.stream_address for e in engines})
         if self.cache is not None:
             self.cache.set_engines([e for p in self.pools.values() if self._follows(p) for e in p.engines])
 
@@ -337,6 +333,10 @@ class Router:
         1P1D follows none."""
         return self.routing.disaggregation == "conditional" or (
             self.routing.policy == "kv_aware" and len(picker.engines) > 1)
+
+    def close(self) -> None:
+        """Close the token paths (a router that served for a while only: the handshake pre-warm's)."""
+        self.streams.close()
 
     @property
     def engines(self) -> list[EngineRef]:
@@ -589,7 +589,7 @@ class Router:
         """The prefill engine's last output for `request` (its kv_transfer_params)."""
         req = msgspec.structs.replace(request, request_id=request_id, kv_transfer_params={"do_remote_decode": True},
                                       origin=self.origin)
-        return await _for_kv_only(engine, req, self._held_kv_releaser(request_id))
+        return await _for_kv_only(self.streams, engine, req, self._held_kv_releaser(request_id))
 
     def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
         async def release(kv_params: dict[str, Any]) -> None:
@@ -664,9 +664,9 @@ class Router:
                 if req.kv_transfer_params and sampling.n > 1:
                     # vLLM's decode side would pull the KV once per sequence, and the prefill
                     # side frees it after the first pull: pull once, the sequences share it.
-                    await _for_kv_only(engine, msgspec.structs.replace(req, request_id=f"{req.request_id}-pull"))
+                    await _for_kv_only(self.streams, engine, msgspec.structs.replace(req, request_id=f"{req.request_id}-pull"))
                     req = msgspec.structs.replace(req, kv_transfer_params=None)
-                async with contextlib.aclosing(stream_engine(engine, req)) as outputs:
+                async with contextlib.aclosing(stream_engine(self.streams, engine, req)) as outputs:
                     async for out in outputs:
                         if any(c.finish_reason == "error" for c in out.outputs):
                             raise EngineFailure(engine, "the engine ended the request with an error", engine_down=False)
@@ -727,7 +727,7 @@ def _continuation(sampling: Any, num_generated: int) -> Any:
     return rest
 
 
-async def _for_kv_only(engine: EngineRef, req: EngineRequest,
+async def _for_kv_only(streams: EngineStreams, engine: EngineRef, req: EngineRequest,
                        on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> Any:
     """Run `req` on `engine` for its KV alone (a prefill, a decode engine's pull): one
     sequence, one token, nothing computed that the output will not use; its last output."""
@@ -735,7 +735,7 @@ async def _for_kv_only(engine: EngineRef, req: EngineRequest,
     one.n, one.max_tokens, one.min_tokens = 1, 1, 0
     one.logprobs = one.prompt_logprobs = one.structured_outputs = None
     last = None
-    async with contextlib.aclosing(stream_engine(engine, msgspec.structs.replace(req, sampling=one, stream_batch_s=0.0),
+    async with contextlib.aclosing(stream_engine(streams, engine, msgspec.structs.replace(req, sampling=one, stream_batch_s=0.0),
                                                  on_held_kv)) as outputs:
         async for last in outputs:
             pass

@@ -45,7 +45,7 @@ from benchmarks.phases import (
 from benchmarks.scenarios import PORT_BAND, Scenario, free_ports, parse_scenario, parse_scenarios, scenario_config, vllm_server_command
 from benchmarks.server_cpu import CpuMeter, CpuReading, ServerCpu, cpu_between
 from benchmarks.stats import RequestResult, summarize
-from orchestrator.config import PoolConfig, TandemConfig, parse_config
+from orchestrator.config import PoolConfig, parse_config
 from orchestrator.router import RequestTrace
 
 BASE = parse_config({

@@ -20,6 +20,7 @@ import ray
 from vllm.sampling_params import SamplingParams
 
 from actors.protocol import EngineRequest
+from actors.stream import stream
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 
@@ -45,8 +46,9 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 async def _generate(handle: Any, request_id: str, tokens: list[int]) -> list[int]:
     out: list[int] = []
     req = EngineRequest(request_id, tokens, SamplingParams(max_tokens=8, temperature=0.0))
-    async for ref in handle.generate.remote(req):
-        out += (await ref).outputs[0].token_ids
+    address = (await handle.info.remote()).stream_address
+    async for chunk in stream(address, req):
+        out += chunk.outputs[0].token_ids
     return out
 
 

@@ -395,13 +395,15 @@ def test_clients_leaving_at_every_phase_are_aborted_everywhere_and_free_their_kv
 
 
 def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: Running) -> None:
-    """A client that leaves while its decode call waits in Ray's queue: Ray drops the call, so
-    the decode engine never sees the request, and the prefill's blocks would stay held for
-    NIXL's whole lease. The router's abort carries the prefill's answer; the decode engine,
-    having never started that request, releases the blocks itself."""
+    """A client that leaves just as its decode request is sent: the router's abort (a Ray call)
+    can reach the decode engine before the request does (the token path is another channel),
+    and the prefill's blocks would stay held for NIXL's whole lease. The abort carries the
+    prefill's answer; the decode engine, having never started that request, releases the
+    blocks itself, and the request, when it arrives, does not run."""
     from vllm.sampling_params import SamplingParams
 
     from actors.protocol import EngineRequest
+    from actors.stream import stream
 
     engines = pd.deployment.routing_engines()
     prefill = next(e for e in engines if e.role == "prefill")
@@ -410,13 +412,20 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
     async def prefill_only() -> dict[str, Any]:
         req = EngineRequest("cancelled-before-start-p", [20 + k % 400 for k in range(300)],
                             SamplingParams(max_tokens=1, temperature=0), {"do_remote_decode": True})
-        chunks = [await ref async for ref in prefill.handle.generate.remote(req)]
+        chunks = [out async for out in stream(prefill.stream_address, req)]
         assert chunks[-1].kv_transfer_params, chunks[-1]
         return chunks[-1].kv_transfer_params
 
     kv_params = asyncio.run(prefill_only())
     assert ray.get(prefill.handle.get_stats.remote()).kv_cache_usage > 0, "the prefill holds its blocks for the decode"
     assert ray.get(decode.handle.abort.remote("cancelled-before-start-d", kv_params)) is None
+
+    async def late_decode() -> list[Any]:
+        req = EngineRequest("cancelled-before-start-d", [20 + k % 400 for k in range(300)],
+                            SamplingParams(max_tokens=8, temperature=0), kv_params)
+        return [out async for out in stream(decode.stream_address, req)]
+
+    assert asyncio.run(late_decode()) == [], "a request aborted before it arrived must not run"
     nothing_leaked(pd)
 
 

@@ -1,21 +1,20 @@
-"""The router against fake engine actor handles (pure logic): streaming, engine choice, prefill
-retries and fallback, mid-stream migration, cancellation at every phase. The real engines,
-Ray streaming and real process deaths included, are exercised in tests/test_serving.py and
-tests/test_faults.py."""
+"""The router against fake engines (pure logic) on a real token path: streaming, engine choice,
+prefill retries and fallback, mid-stream migration, cancellation at every phase. The real
+engines and real process deaths are exercised in tests/test_serving.py and tests/test_faults.py."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError, RayTaskError
 
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from actors.protocol import CacheUpdate, EngineRequest
+from actors.stream import EngineStreams
 from orchestrator.config import RoutingConfig
 from orchestrator.protocol import EngineRef
 from orchestrator.router import (
@@ -27,6 +26,7 @@ from orchestrator.router import (
     UnresumableError,
     stream_engine,
 )
+from tests.fake_engine import FakeEngineBase
 from tests.outputs import output, tokens
 
 REQ = EngineRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=2))
@@ -44,65 +44,72 @@ class _Method:
         self.remote = fn
 
 
-class SilentEndEngine:
-    """An actor handle whose stream yields CHUNKS (as awaitable refs) and then never ends,
-    as a Ray stream whose end-of-stream report is late; records aborts."""
+class SilentEndEngine(FakeEngineBase):
+    """An engine that streams CHUNKS and then never ends its stream, as one whose end frame is
+    late; records aborts."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.aborted: list[str] = []
-        self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         for chunk in CHUNKS:
-            yield _done(chunk)
+            yield chunk
         await asyncio.Event().wait()
 
     def _abort(self, request_id: str, kv_params: dict[str, Any] | None = None) -> asyncio.Future:
         self.aborted.append(request_id)
         return _done(None)
 
+    def ref(self) -> EngineRef:
+        return EngineRef("e", "decode", self, stream_address=self.address)
 
-def test_the_stream_ends_at_the_finished_chunk_without_waiting_for_ray_end_of_stream() -> None:
-    handle = SilentEndEngine()
+
+def test_the_stream_ends_at_the_finished_chunk_without_waiting_for_the_end_of_stream() -> None:
+    engine = SilentEndEngine()
 
     async def collect() -> list[RequestOutput]:
-        return [c async for c in stream_engine(EngineRef("e", "decode", handle), REQ)]
+        streams = EngineStreams()
+        return [c async for c in stream_engine(streams, engine.ref(), REQ)]
 
-    assert asyncio.run(asyncio.wait_for(collect(), timeout=10)) == CHUNKS
-    assert handle.aborted == []
+    assert tokens(asyncio.run(asyncio.wait_for(collect(), timeout=10))) == tokens(CHUNKS)
+    assert engine.aborted == []
 
 
 def test_a_consumer_leaving_before_the_finished_chunk_aborts_the_request() -> None:
-    handle = SilentEndEngine()
+    engine = SilentEndEngine()
 
     async def leave_after_one() -> None:
-        stream = stream_engine(EngineRef("e", "decode", handle), REQ)
-        assert await anext(stream) == CHUNKS[0]
+        stream = stream_engine(EngineStreams(), engine.ref(), REQ)
+        assert tokens([await anext(stream)]) == tokens(CHUNKS[:1])
         await stream.aclose()
 
     asyncio.run(leave_after_one())
-    assert handle.aborted == ["r-1"]
+    assert engine.aborted == ["r-1"]
 
 
-class RecordingEngine:
-    """An actor handle that records each request and answers with one finished chunk (a
-    prefill's carries kv_transfer_params, as vLLM's does)."""
+class RecordingEngine(FakeEngineBase):
+    """An engine that records each request and answers with one finished chunk (a prefill's
+    carries kv_transfer_params, as vLLM's does)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.requests: list[EngineRequest] = []
-        self.generate = _Method(self._generate)
         self.abort = _Method(lambda request_id, kv_params=None: _done(None))
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+    def ref(self, engine_id: str, role: str) -> EngineRef:
+        return EngineRef(engine_id, role, self, stream_address=self.address)  # type: ignore[arg-type]
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(req)
         params = {"remote_engine_id": "p"} if req.kv_transfer_params == {"do_remote_decode": True} else None
-        yield _done(output("x", [7], finished=True, finish_reason="length", kv_transfer_params=params))
+        yield output("x", [7], finished=True, finish_reason="length", kv_transfer_params=params)
 
 
 def test_only_the_streaming_request_may_batch_tokens() -> None:
     prefill, decode = RecordingEngine(), RecordingEngine()
-    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"), stream_batch_s=0.02)
+    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")], RoutingConfig(policy="round_robin"), stream_batch_s=0.02)
 
     async def run() -> list[RequestOutput]:
         return [c async for c in router.generate(EngineRequest("r-2", [1, 2, 3], SamplingParams(max_tokens=4)), RequestTrace())]
@@ -116,7 +123,7 @@ def test_only_the_streaming_request_may_batch_tokens() -> None:
 
 def test_the_prefill_computes_one_token_of_one_sequence_and_nothing_else() -> None:
     prefill, decode = RecordingEngine(), RecordingEngine()
-    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"))
+    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")], RoutingConfig(policy="round_robin"))
     sampling = SamplingParams(max_tokens=9, temperature=0.7, seed=3, logprobs=2, n=1,
                               structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
 
@@ -127,7 +134,7 @@ def test_the_prefill_computes_one_token_of_one_sequence_and_nothing_else() -> No
     asyncio.run(run())
     (p,), (d,) = prefill.requests, decode.requests
     assert (p.sampling.max_tokens, p.sampling.n, p.sampling.logprobs, p.sampling.structured_outputs) == (1, 1, None, None)
-    assert d.sampling is sampling  # the decode runs the request as the client asked
+    assert d.sampling == sampling  # the decode runs the request as the client asked
     assert sampling.max_tokens == 9 and sampling.logprobs == 2  # the client's settings are not touched
 
 
@@ -135,7 +142,7 @@ def test_several_sequences_pull_the_kv_once_then_share_it() -> None:
     """vLLM's decode side would pull the prefill's blocks once per sequence, and the prefill
     side frees them after the first pull: the router pulls once, the sequences share it."""
     prefill, decode = RecordingEngine(), RecordingEngine()
-    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"))
+    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")], RoutingConfig(policy="round_robin"))
 
     async def run() -> None:
         async for _ in router.generate(EngineRequest("r-4", [1, 2, 3], SamplingParams(max_tokens=5, n=3, temperature=1.0)), RequestTrace()):
@@ -150,7 +157,7 @@ def test_several_sequences_pull_the_kv_once_then_share_it() -> None:
 
 def test_a_request_that_needs_prompt_logprobs_is_prefilled_where_it_streams() -> None:
     prefill, decode = RecordingEngine(), RecordingEngine()
-    router = Router([EngineRef("p", "prefill", prefill), EngineRef("d", "decode", decode)], RoutingConfig(policy="round_robin"))
+    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")], RoutingConfig(policy="round_robin"))
 
     async def run() -> None:
         async for _ in router.generate(EngineRequest("r-5", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1)), RequestTrace()):
@@ -164,15 +171,17 @@ def test_a_request_that_needs_prompt_logprobs_is_prefilled_where_it_streams() ->
 # ---- failover and cancellation against fake engines ------------------------------------
 
 
-class FakeEngine:
-    """An engine actor handle with a deterministic "model": after a prompt of n tokens the
-    next token is 1000 + n, so a request resumed from its prompt plus the tokens already
-    streamed continues the same sequence. A prefill (do_remote_decode) answers with one
-    chunk carrying kv_transfer_params naming this engine. It can die after some output
-    tokens, hang, end a request with finish_reason "error", or reject input as vLLM does."""
+class FakeEngine(FakeEngineBase):
+    """An engine with a deterministic "model": after a prompt of n tokens the next token is
+    1000 + n, so a request resumed from its prompt plus the tokens already streamed continues
+    the same sequence. A prefill (do_remote_decode) answers with one chunk carrying
+    kv_transfer_params naming this engine. It can be dead from the start, die after some
+    output tokens (its token path closes, as a killed process's), hang, end a request with
+    finish_reason "error", or reject input as vLLM does."""
 
-    def __init__(self, name: str, *, die_after: int | None = None, hang: bool = False,
+    def __init__(self, name: str, *, dead: bool = False, die_after: int | None = None, hang: bool = False,
                  error_finish: bool = False, reject: bool = False) -> None:
+        super().__init__(dead=dead)
         self.name = name
         self.die_after, self.hang, self.error_finish, self.reject = die_after, hang, error_finish, reject
         self.requests: list[EngineRequest] = []
@@ -180,34 +189,33 @@ class FakeEngine:
         self.released: list[tuple[str, dict[str, Any]]] = []
         # What abort() answers: the kv_transfer_params of a prefill that had finished.
         self.abort_answer: dict[str, Any] | None = None
-        self.generate = _Method(self._generate)
         self.abort = _Method(self._abort)
         self.release_remote_kv = _Method(self._release)
         self.cache_updates = _Method(self._cache_updates)
 
     def ref(self, role: str, incarnation: str = "i0") -> EngineRef:
-        return EngineRef(self.name, role, self, incarnation)  # type: ignore[arg-type]
+        return EngineRef(self.name, role, self, incarnation, stream_address=self.address)  # type: ignore[arg-type]
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(req)
         if self.reject:
-            raise RayTaskError("generate", "traceback", ValueError("prompt too long"))
+            raise ValueError("prompt too long")
         if self.hang:
             await asyncio.Event().wait()
         n = len(req.prompt_token_ids)
         if req.kv_transfer_params == {"do_remote_decode": True}:
-            yield _done(output("p", [1000 + n], finished=True, finish_reason="length",
-                                    kv_transfer_params={"remote_engine_id": self.name}))
+            yield output("p", [1000 + n], finished=True, finish_reason="length",
+                         kv_transfer_params={"remote_engine_id": self.name})
             return
         for i in range(req.sampling.max_tokens):
             if self.die_after is not None and i == self.die_after:
-                raise ActorDiedError()
+                self.die()
+                await asyncio.Event().wait()
             last = i == req.sampling.max_tokens - 1
             if last and self.error_finish:
-                yield _done(output("", [], finished=True, finish_reason="error"))
+                yield output("", [], finished=True, finish_reason="error")
                 return
-            yield _done(output(f"t{1000 + n + i}", [1000 + n + i], finished=last,
-                                    finish_reason="length" if last else None))
+            yield output(f"t{1000 + n + i}", [1000 + n + i], finished=last, finish_reason="length" if last else None)
             await asyncio.sleep(0)
 
     def _abort(self, request_id: str, kv_params: dict[str, Any] | None = None) -> asyncio.Future:
@@ -264,8 +272,7 @@ def test_a_new_incarnation_in_the_routing_table_ends_the_exclusion() -> None:
 
 
 def test_a_failed_prefill_is_retried_on_another_prefill_replica() -> None:
-    dead, live, d = FakeEngine("p0", reject=False, hang=False), FakeEngine("p1"), FakeEngine("d")
-    dead.generate = _Method(lambda req: _dying_stream())
+    dead, live, d = FakeEngine("p0", dead=True), FakeEngine("p1"), FakeEngine("d")
     router, reports = routed([dead.ref("prefill"), live.ref("prefill"), d.ref("decode")], policy="round_robin")
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
@@ -274,11 +281,6 @@ def test_a_failed_prefill_is_retried_on_another_prefill_replica() -> None:
     assert nonzero(router.stats.retries) == {"prefill_failed": 1}
     assert [r.engine.engine_id for r in reports] == ["p0"]
     assert router.pools["prefill"].pick().engine_id == "p1"  # type: ignore[union-attr]
-
-
-async def _dying_stream() -> AsyncIterator[Any]:
-    raise ActorDiedError()
-    yield  # pragma: no cover (makes this an async generator)
 
 
 def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
@@ -293,8 +295,7 @@ def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
 
 
 def test_with_no_prefill_replica_left_the_decode_engine_prefills_itself() -> None:
-    p, d = FakeEngine("p0"), FakeEngine("d")
-    p.generate = _Method(lambda req: _dying_stream())
+    p, d = FakeEngine("p0", dead=True), FakeEngine("d")
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
@@ -305,7 +306,7 @@ def test_with_no_prefill_replica_left_the_decode_engine_prefills_itself() -> Non
 def test_an_input_the_engine_rejects_is_not_retried() -> None:
     p, d = FakeEngine("p0", reject=True), FakeEngine("d")
     router, reports = routed([p.ref("prefill"), FakeEngine("p1").ref("prefill"), d.ref("decode")])
-    with pytest.raises(RayTaskError):
+    with pytest.raises(ValueError, match="prompt too long"):  # as vLLM raised it: the client's 400
         run(router)
     assert reports == [] and d.requests == []
 

@@ -6,10 +6,10 @@ engines. Real engines: tests/test_cache_routing.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from orchestrator.disaggregation import decide
 from orchestrator.protocol import EngineRef
 from orchestrator.router import RequestTrace, Router
 from orchestrator.scoring import EngineFacts, choose, score, tier_tokens
+from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
 BLOCK = 16
@@ -258,22 +259,23 @@ class _Method:
         self.remote = fn
 
 
-class CachingEngine:
-    """An engine handle that holds the prefix blocks of the prompts it was told to, reports
-    them through cache_updates, and answers every request with one token."""
+class CachingEngine(FakeEngineBase):
+    """An engine that holds the prefix blocks of the prompts it was told to, reports them
+    through cache_updates, and answers every request with one token."""
 
     def __init__(self, name: str, held_prompts: list[list[int]] = ()) -> None:
+        super().__init__()
         self.name = name
         self.hasher = PrefixHasher("sha256", SEED, BLOCK)
         self.held = {as_key(h) for p in held_prompts for h in self.hasher.hashes(p)}
         self.requests: list[EngineRequest] = []
         self.requests_by_origin: dict[str, int] = {}  # the load it reports
-        self.generate = _Method(self._generate)
         self.abort = _Method(lambda rid, kv_params=None: _done(None))
         self.cache_updates = _Method(self._cache_updates)
 
     def ref(self, role: str) -> EngineRef:
-        return EngineRef(self.name, role, self, "i0", BLOCK, "sha256", SEED)  # type: ignore[arg-type]
+        return EngineRef(self.name, role, self, "i0", BLOCK, "sha256", SEED,  # type: ignore[arg-type]
+                         stream_address=self.address)
 
     async def _cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
         if version == 1:
@@ -281,13 +283,12 @@ class CachingEngine:
         by_origin = self.requests_by_origin
         return CacheUpdate("i0", 1, True, sorted(self.held), [], sum(by_origin.values()), 0, 0.0, dict(by_origin))
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(req)
         params = {"remote_engine_id": self.name} if req.kv_transfer_params == {"do_remote_decode": True} else None
         keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
         cached = next((i for i, k in enumerate(keys) if k not in self.held), len(keys)) * BLOCK
-        yield _done(output("x", [7], finished=True, finish_reason="length",
-                           num_cached_tokens=cached, kv_transfer_params=params))
+        yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=cached, kv_transfer_params=params)
 
 
 def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[RequestOutput]:
@@ -379,12 +380,13 @@ class GatedEngine(CachingEngine):
 
     def __init__(self, name: str, held_prompts: list[list[int]] = ()) -> None:
         super().__init__(name, held_prompts)
-        self.gate = asyncio.Event()
+        self.gate = threading.Event()  # set by the test's thread, read in the fake engines' loop
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
-        await self.gate.wait()
-        async for ref in super()._generate(req):
-            yield ref
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        async for out in super().generate(req):
+            yield out
 
 
 def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> None:
@@ -427,7 +429,13 @@ def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() ->
     router = Router([prefill.ref("prefill"), warm.ref("decode"), cold.ref("decode")], RoutingConfig(policy="kv_aware"))
     prompt = SYSTEM + list(range(2 * BLOCK))
     seen: list[float] = []
-    warm.generate = _Method(lambda req: (seen.append(router.pools["decode"].queued_tokens["warm"]), warm._generate(req))[1])
+    answer = warm.generate
+
+    def noting_the_queue(req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        seen.append(router.pools["decode"].queued_tokens["warm"])
+        return answer(req)
+
+    warm.generate = noting_the_queue  # type: ignore[method-assign]
     serve_one(router, prompt, RequestTrace())
     assert len(warm.requests) == 1 and not cold.requests
     assert seen == [len(prompt)]  # while it decoded, the request weighed its whole KV there
@@ -447,20 +455,19 @@ class LruEngine(CachingEngine):
         self.num_blocks = num_blocks
         self.lru: dict[int, None] = {}  # insertion order = eviction order
         self.version = 0
-        self.changed = asyncio.Event()
         self.computed = 0
 
     def ref(self, role: str) -> EngineRef:
         return msgspec.structs.replace(super().ref(role), num_blocks=self.num_blocks)
 
     async def _cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
-        if version == self.version:
-            self.changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout_s)
+        # The requests run in the fake engines' loop: a change there is seen by polling.
+        deadline = time.monotonic() + timeout_s
+        while version == self.version and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
         return CacheUpdate("i0", self.version, True, list(self.lru), [], 0, 0, 0.0)
 
-    async def _generate(self, req: EngineRequest) -> AsyncIterator[Awaitable[RequestOutput]]:
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
         hit = next((i for i, k in enumerate(keys) if k not in self.lru), len(keys))
         self.computed += len(req.prompt_token_ids) - hit * BLOCK
@@ -470,8 +477,7 @@ class LruEngine(CachingEngine):
         while len(self.lru) > self.num_blocks:
             del self.lru[next(iter(self.lru))]
         self.version += 1
-        self.changed.set()
-        yield _done(output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK))
+        yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK)
 
 
 def chats(num_chats: int, turns: int, rng: random.Random) -> list[list[int]]:
@@ -510,7 +516,7 @@ def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one()
     async def least_possible() -> int:  # one engine whose cache never evicts
         engine = LruEngine("all", 10**6)
         for i, prompt in enumerate(chats(16, 5, random.Random(0))):
-            async for _ in engine._generate(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=1))):
+            async for _ in engine.generate(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=1))):
                 pass
         return engine.computed
 

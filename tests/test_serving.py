@@ -23,7 +23,7 @@ from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.job import Running, running
 from orchestrator.protocol import EngineRef
-from orchestrator.router import stream_engine
+from actors.stream import stream
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.engines
@@ -80,7 +80,7 @@ def metric(m: dict, name: str, **labels: str) -> float:
 def reference_tokens(engine: EngineRef, prompt: list[int], max_tokens: int) -> list[int]:
     async def run() -> list[int]:
         req = EngineRequest(f"ref-{random.random()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        return [t async for out in stream_engine(engine, req) for t in out.outputs[0].token_ids]
+        return [t async for out in stream(engine.stream_address, req) for t in out.outputs[0].token_ids]
 
     return asyncio.run(run())
 
@@ -230,8 +230,8 @@ def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef
 
     async def run() -> list:
         chunks = []
-        async for ref in reference.handle.generate.remote(req):
-            chunks.append(await ref)
+        async for out in stream(reference.stream_address, req):
+            chunks.append(out)
             if len(chunks) == 1:
                 await reference.handle.abort.remote(req.request_id)
         return chunks
@@ -249,7 +249,7 @@ def stream_batched(engine: EngineRef, prompt: list[int], n: int, batch_s: float)
         sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         req = EngineRequest(f"batched-{random.random()}", prompt, sampling, stream_batch_s=batch_s)
         t0 = time.perf_counter()
-        chunks = [c async for c in stream_engine(engine, req)]
+        chunks = [c async for c in stream(engine.stream_address, req)]
         return chunks, time.perf_counter() - t0
 
     return asyncio.run(run())

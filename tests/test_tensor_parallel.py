@@ -12,7 +12,7 @@ import pytest
 from actors.protocol import EngineRequest
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
-from orchestrator.router import stream_engine
+from actors.stream import stream
 
 pytestmark = pytest.mark.engines
 
@@ -33,7 +33,7 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
             from vllm.sampling_params import SamplingParams
 
             req = EngineRequest("tp2", [5, 77, 300, 12], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-            return [t async for out in stream_engine(engine, req) for t in out.outputs[0].token_ids]
+            return [t async for out in stream(engine.stream_address, req) for t in out.outputs[0].token_ids]
 
         assert len(asyncio.run(generate())) == 8
         workers = [psutil.Process(p) for p in info.child_pids if psutil.Process(p).name().startswith("VLLM::Worker_TP")]

@@ -1,0 +1,295 @@
+"""The token path: a request to an engine actor and its streamed outputs, over one ZMQ socket
+per router and engine instead of Ray calls.
+
+A Ray streaming call costs a Ray message to start and one per streamed item, each through
+Ray's core worker threads on both sides; on a 2-core host whose engines busy-wait between
+steps that was 2-3 ms each way per engine leg (docs/performance.md, "The token path"). vLLM's
+own front end talks to its engine core over ZMQ for the same reason. Here the engine actor
+binds a ROUTER socket on its node's IP (`StreamServer`), every router process keeps one DEALER
+socket per engine incarnation (`StreamClient`, gathered in `EngineStreams`), and requests and
+outputs are pickled as Ray would pickle them (vLLM's own SamplingParams and RequestOutput).
+Control calls (abort, health, stats, the KV-cache long-poll) stay Ray calls.
+
+Frames, client to engine: [REQUEST, request id, pickled EngineRequest]; engine to client:
+[OUTPUT, request id, pickled RequestOutput] per streamed output, then [END, request id] or
+[ERROR, request id, pickled exception].
+
+What Ray's call gave for free is kept:
+- a dead or unreachable engine fails every stream open on it at once (`StreamLost`): the kill
+  closes the TCP connection and the client's socket monitor sees it; a node that vanishes
+  without closing it stops answering libzmq's heartbeats; an address where nothing listens
+  any more refuses the connection;
+- a router that is gone is noticed by the engine at the request's next output (the send is
+  refused: ROUTER_MANDATORY), and the request is aborted there;
+- an exception the engine raised reaches the router as that exception (`RemoteError.cause`),
+  so vLLM's input checks become the same 4xx as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+logger = logging.getLogger("tandem.stream")
+
+REQUEST, OUTPUT, ERROR, END = b"G", b"O", b"E", b"D"
+_LOST = b""  # not a wire frame: put in a stream's queue when its connection is lost
+
+# libzmq pings each connection this often and drops one that has not answered for this long:
+# how a router learns that an engine's node vanished without closing its connections.
+HEARTBEAT_IVL_MS = 2_000
+HEARTBEAT_TIMEOUT_MS = 10_000
+# A connection attempt that gets no answer for this long is given up (and retried by libzmq:
+# the client takes the first failed attempt as the engine being gone).
+CONNECT_TIMEOUT_MS = 5_000
+
+# Sends the engine's next output to the router; False once the router is gone.
+Emit = Callable[[Any], Awaitable[bool]]
+# Runs one request on the engine, emitting its outputs; what it raises goes to the router.
+Handler = Callable[[Any, Emit], Awaitable[None]]
+
+
+class StreamLost(ConnectionError):
+    """The connection to the engine closed or could not be opened: its process is gone or
+    unreachable. Outputs of the stream may have been lost with it."""
+
+
+class RemoteError(Exception):
+    """The engine raised `cause` while serving the request."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    # Never drop or hold back an output: a stream with a gap is a wrong answer.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+
+
+def _dump_error(err: BaseException) -> bytes:
+    """The exception pickled, or (when it does not survive pickling) a RuntimeError with its text."""
+    try:
+        data = pickle.dumps(err, protocol=5)
+        pickle.loads(data)
+        return data
+    except Exception:
+        return pickle.dumps(RuntimeError(f"{type(err).__name__}: {err}"), protocol=5)
+
+
+class StreamServer:
+    """An engine actor's end of the token path: a ROUTER socket on `host` (the node's IP, as
+    Ray reports it) at a port the OS picks; `address` is what routers connect to."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        _configure(self._sock)
+        # A send to a router that is no longer connected fails instead of vanishing.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bind_host = f"[{host}]" if ":" in host else host
+        port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.address = f"tcp://{bind_host}:{port}"
+        self._reader: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+
+    def start(self, handler: Handler) -> None:
+        """Serve requests with `handler` from the running event loop (once; later calls do nothing)."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read(handler))
+
+    async def _read(self, handler: Handler) -> None:
+        while True:
+            peer, kind, rid, payload = await self._sock.recv_multipart()
+            if kind != REQUEST:
+                logger.warning("token path: ignored a frame of unknown kind %r from a router", kind)
+                continue
+            try:
+                req = pickle.loads(payload)
+            except Exception as err:  # a router of another version, say: it gets the reason
+                await self._send_last(peer, rid, ERROR, _dump_error(err))
+                continue
+            task = asyncio.create_task(self._serve(peer, rid, req, handler))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, peer: bytes, rid: bytes, req: Any, handler: Handler) -> None:
+        gone = False
+
+        async def emit(out: Any) -> bool:
+            nonlocal gone
+            if not gone:
+                try:
+                    await self._sock.send_multipart([peer, OUTPUT, rid, pickle.dumps(out, protocol=5)])
+                except zmq.ZMQError as err:
+                    if err.errno != zmq.EHOSTUNREACH:
+                        raise
+                    gone = True
+            return not gone
+
+        try:
+            await handler(req, emit)
+        except Exception as err:
+            if not gone:
+                await self._send_last(peer, rid, ERROR, _dump_error(err))
+        else:
+            if not gone:
+                await self._send_last(peer, rid, END, b"")
+
+    async def _send_last(self, peer: bytes, rid: bytes, kind: bytes, payload: bytes) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # the router left meanwhile: nobody to tell
+            await self._sock.send_multipart([peer, kind, rid, payload])
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for task in list(self._serving):
+            task.cancel()
+        self._sock.close(linger=0)
+
+
+class StreamClient:
+    """A router's end of the token path to one engine incarnation: one DEALER socket, the
+    outputs of every request open on it sorted by request id. Made in the event loop that
+    uses it. Once its connection is lost it stays lost (`lost` says why): a new incarnation
+    of the engine has a new address, and so a new client."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.lost: str | None = None
+        self._connected = False
+        self._retired = False
+        self._open: dict[bytes, asyncio.Queue[tuple[bytes, bytes]]] = {}
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        _configure(self._sock)
+        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self._sock.connect(address)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+
+    async def generate(self, req: Any) -> AsyncIterator[Any]:
+        """Send `req` (an EngineRequest) and yield the engine's outputs until its end. Raises
+        StreamLost when the connection is lost, RemoteError when the engine raised."""
+        rid = req.request_id.encode()
+        if self.lost is not None:
+            raise StreamLost(self.lost)
+        if rid in self._open:
+            raise ValueError(f"request id {req.request_id} is already streaming from the engine at {self.address}")
+        queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        self._open[rid] = queue
+        try:
+            await self._sock.send_multipart([REQUEST, rid, pickle.dumps(req, protocol=5)])
+            while True:
+                kind, payload = await queue.get()
+                if kind == OUTPUT:
+                    yield pickle.loads(payload)
+                elif kind == END:
+                    return
+                elif kind == ERROR:
+                    raise RemoteError(pickle.loads(payload))
+                else:
+                    raise StreamLost(self.lost)
+        finally:
+            del self._open[rid]
+            if self._retired and not self._open:
+                self.close()
+
+    def retire(self) -> None:
+        """The engine left routing: close once the streams open on it have ended."""
+        self._retired = True
+        if not self._open:
+            self.close()
+
+    async def _read(self) -> None:
+        while True:
+            kind, rid, payload = await self._sock.recv_multipart()
+            if (queue := self._open.get(rid)) is not None:  # else a stream its router left
+                queue.put_nowait((kind, payload))
+
+    async def _watch(self) -> None:
+        """Turn the socket's connection events into `lost`: a closed connection, or a first
+        connection attempt that failed (nothing listens at the address any more)."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                return self._lose(f"the connection to the engine at {self.address} closed")
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected:
+                return self._lose(f"the engine at {self.address} did not accept a connection")
+
+    def _lose(self, why: str) -> None:
+        """Fail every open stream with `why` and stop: nothing more will come on this socket."""
+        self.lost = why
+        for queue in self._open.values():
+            queue.put_nowait((_LOST, b""))
+        for task in self._tasks:
+            if task is not asyncio.current_task() and not task.get_loop().is_closed():
+                task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        # A socket whose event loop has ended can only be closed (tests run several loops).
+        with contextlib.suppress(RuntimeError):
+            self._monitor.close(linger=0)
+        with contextlib.suppress(RuntimeError):
+            self._sock.close(linger=0)
+
+    def close(self) -> None:
+        """Stop the client; streams still open on it see StreamLost."""
+        if self.lost is None:
+            self._lose(f"the token path to {self.address} was closed")
+
+
+class EngineStreams:
+    """A router process's token paths: one client per engine address, opened on first use,
+    in the event loop of that use (a later loop starts over: a client's reader belongs to
+    the loop it was made in)."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, StreamClient] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def generate(self, address: str, req: Any) -> AsyncIterator[Any]:
+        """Stream `req` from the engine at `address` (StreamClient.generate)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self.close()
+            self._loop = loop
+        client = self._clients.get(address)
+        if client is None or client.lost is not None:
+            client = self._clients[address] = StreamClient(address)
+        return client.generate(req)
+
+    def keep(self, addresses: Collection[str]) -> None:
+        """Retire the clients of engines no longer listed (a draining engine's streams end first)."""
+        for address in [a for a in self._clients if a not in addresses]:
+            self._clients.pop(address).retire()
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+async def stream(address: str, req: Any) -> AsyncIterator[Any]:
+    """One request's outputs from the engine at `address`, on a client of its own: for tools
+    that send a request now and then (benchmarks, checks); routers keep `EngineStreams`."""
+    client = StreamClient(address)
+    try:
+        async for out in client.generate(req):
+            yield out
+    finally:
+        client.close()
