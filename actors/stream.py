@@ -111,10 +111,11 @@ class StreamServer:
 
     async def _read(self, handler: Handler) -> None:
         while True:
-            peer, kind, rid, payload = await self._sock.recv_multipart()
-            if kind != REQUEST:
-                logger.warning("token path: ignored a frame of unknown kind %r from a router", kind)
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 4 or frames[1] != REQUEST:
+                logger.warning("token path: ignored a message that is not a request (%d frames) from a router", len(frames))
                 continue
+            peer, _, rid, payload = frames
             try:
                 req = pickle.loads(payload)
             except Exception as err:  # a router of another version, say: it gets the reason
@@ -191,7 +192,10 @@ class StreamClient:
         queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
         self._open[rid] = queue
         try:
-            await self._sock.send_multipart([REQUEST, rid, pickle.dumps(req, protocol=5)])
+            try:
+                await self._sock.send_multipart([REQUEST, rid, pickle.dumps(req, protocol=5)])
+            except zmq.ZMQError as err:  # the socket closed as the connection was lost
+                raise StreamLost(self.lost or f"the request could not be sent to {self.address}: {err}") from None
             while True:
                 kind, payload = await queue.get()
                 if kind == OUTPUT:
@@ -215,9 +219,9 @@ class StreamClient:
 
     async def _read(self) -> None:
         while True:
-            kind, rid, payload = await self._sock.recv_multipart()
-            if (queue := self._open.get(rid)) is not None:  # else a stream its router left
-                queue.put_nowait((kind, payload))
+            frames = await self._sock.recv_multipart()
+            if len(frames) == 3 and (queue := self._open.get(frames[1])) is not None:  # else a stream its router left
+                queue.put_nowait((frames[0], frames[2]))
 
     async def _watch(self) -> None:
         """Turn the socket's connection events into `lost`: a closed connection, or a first
@@ -264,6 +268,8 @@ class EngineStreams:
 
     def generate(self, address: str, req: Any) -> AsyncIterator[Any]:
         """Stream `req` from the engine at `address` (StreamClient.generate)."""
+        if not address:
+            raise StreamLost("the engine has no token-path address (an engine of an older Tandem?)")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self.close()

@@ -51,6 +51,9 @@ class FakeEngineBase:
     def generate(self, req: EngineRequest) -> AsyncIterator[Any]:
         raise NotImplementedError
 
-    def die(self) -> None:
-        """Close the token path now (call from `generate`): every stream on it is lost."""
+    async def die(self) -> None:
+        """Close the token path (await in `generate`): every stream on it is lost. What was
+        emitted before gets a moment to leave first, as a killed process's written bytes do
+        (closing drops what the socket still queues)."""
+        await asyncio.sleep(0.2)
         self.server.close()

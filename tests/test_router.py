@@ -209,7 +209,7 @@ class FakeEngine(FakeEngineBase):
             return
         for i in range(req.sampling.max_tokens):
             if self.die_after is not None and i == self.die_after:
-                self.die()
+                await self.die()
                 await asyncio.Event().wait()
             last = i == req.sampling.max_tokens - 1
             if last and self.error_finish:
