@@ -329,7 +329,8 @@ class EngineActor:
         A request ends early when its router is gone (the token path refuses the output) or
         `abort` was called for it; leaving vLLM's stream early aborts the request in vLLM."""
         rid = req.request_id
-        if self._aborted_early.pop(rid, None) is not None:
+        if rid in self._aborted_early:
+            del self._aborted_early[rid]
             return  # its router gave up on it before it arrived; `abort` released what it held
         ended = self._streams[rid] = asyncio.Event()
         self._started[rid] = None
