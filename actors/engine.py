@@ -157,8 +157,8 @@ async def batched(
     of a UTF-8 character, shows a client nothing), and the end of the stream never waits.
     Closing the result closes `items`.
 
-    Each streamed chunk costs CPU at every hop (Ray message, ingress, Serve's proxy, SSE
-    event), which on small hosts the engine's own scheduler has to share; sending the tokens
+    Each streamed chunk costs CPU at every hop (the token path, vLLM's serving layer in the
+    ingress, the SSE event), which on small hosts the engines' cores have to give; sending the tokens
     of several steps at once cuts that. The reader keeps draining vLLM's output meanwhile, so
     a request's last tokens leave as soon as they are decoded instead of at the next tick.
     """

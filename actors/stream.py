@@ -10,9 +10,10 @@ socket per engine incarnation (`StreamClient`, gathered in `EngineStreams`), and
 outputs are pickled as Ray would pickle them (vLLM's own SamplingParams and RequestOutput).
 Control calls (abort, health, stats, the KV-cache long-poll) stay Ray calls.
 
-Frames, client to engine: [REQUEST, request id, pickled EngineRequest]; engine to client:
-[OUTPUT, request id, pickled RequestOutput] per streamed output, then [END, request id] or
-[ERROR, request id, pickled exception].
+Frames, client to engine: [REQUEST, tag, pickled EngineRequest]; engine to client: [OUTPUT,
+tag, pickled RequestOutput] per streamed output, then [END, tag] or [ERROR, tag, pickled
+exception]. The tag is the client's number for the stream, not the request id: two clients'
+requests may share an id (vLLM's serving layer takes it from the X-Request-Id header).
 
 What Ray's call gave for free is kept:
 - a dead or unreachable engine fails every stream open on it at once (`StreamLost`): the kill
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import pickle
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -115,24 +117,24 @@ class StreamServer:
             if len(frames) != 4 or frames[1] != REQUEST:
                 logger.warning("token path: ignored a message that is not a request (%d frames) from a router", len(frames))
                 continue
-            peer, _, rid, payload = frames
+            peer, _, tag, payload = frames
             try:
                 req = pickle.loads(payload)
             except Exception as err:  # a router of another version, say: it gets the reason
-                await self._send_last(peer, rid, ERROR, _dump_error(err))
+                await self._send_last(peer, tag, ERROR, _dump_error(err))
                 continue
-            task = asyncio.create_task(self._serve(peer, rid, req, handler))
+            task = asyncio.create_task(self._serve(peer, tag, req, handler))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
-    async def _serve(self, peer: bytes, rid: bytes, req: Any, handler: Handler) -> None:
+    async def _serve(self, peer: bytes, tag: bytes, req: Any, handler: Handler) -> None:
         gone = False
 
         async def emit(out: Any) -> bool:
             nonlocal gone
             if not gone:
                 try:
-                    await self._sock.send_multipart([peer, OUTPUT, rid, pickle.dumps(out, protocol=5)])
+                    await self._sock.send_multipart([peer, OUTPUT, tag, pickle.dumps(out, protocol=5)])
                 except zmq.ZMQError as err:
                     if err.errno != zmq.EHOSTUNREACH:
                         raise
@@ -143,14 +145,14 @@ class StreamServer:
             await handler(req, emit)
         except Exception as err:
             if not gone:
-                await self._send_last(peer, rid, ERROR, _dump_error(err))
+                await self._send_last(peer, tag, ERROR, _dump_error(err))
         else:
             if not gone:
-                await self._send_last(peer, rid, END, b"")
+                await self._send_last(peer, tag, END, b"")
 
-    async def _send_last(self, peer: bytes, rid: bytes, kind: bytes, payload: bytes) -> None:
+    async def _send_last(self, peer: bytes, tag: bytes, kind: bytes, payload: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):  # the router left meanwhile: nobody to tell
-            await self._sock.send_multipart([peer, kind, rid, payload])
+            await self._sock.send_multipart([peer, kind, tag, payload])
 
     def close(self) -> None:
         if self._reader is not None:
@@ -171,7 +173,9 @@ class StreamClient:
         self.lost: str | None = None
         self._connected = False
         self._retired = False
+        # Each open stream's queue, by its tag (the client's number for it).
         self._open: dict[bytes, asyncio.Queue[tuple[bytes, bytes]]] = {}
+        self._tags = itertools.count()
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         _configure(self._sock)
         self._sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
@@ -184,16 +188,14 @@ class StreamClient:
     async def generate(self, req: Any) -> AsyncIterator[Any]:
         """Send `req` (an EngineRequest) and yield the engine's outputs until its end. Raises
         StreamLost when the connection is lost, RemoteError when the engine raised."""
-        rid = req.request_id.encode()
         if self.lost is not None:
             raise StreamLost(self.lost)
-        if rid in self._open:
-            raise ValueError(f"request id {req.request_id} is already streaming from the engine at {self.address}")
+        tag = next(self._tags).to_bytes(8, "little")
         queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
-        self._open[rid] = queue
+        self._open[tag] = queue
         try:
             try:
-                await self._sock.send_multipart([REQUEST, rid, pickle.dumps(req, protocol=5)])
+                await self._sock.send_multipart([REQUEST, tag, pickle.dumps(req, protocol=5)])
             except zmq.ZMQError as err:  # the socket closed as the connection was lost
                 raise StreamLost(self.lost or f"the request could not be sent to {self.address}: {err}") from None
             while True:
@@ -207,7 +209,7 @@ class StreamClient:
                 else:
                     raise StreamLost(self.lost)
         finally:
-            del self._open[rid]
+            del self._open[tag]
             if self._retired and not self._open:
                 self.close()
 

@@ -2,7 +2,7 @@
 
 Comparing a run through Tandem's OpenAI endpoint with this one, at the same rate and with the
 same workload, measures what the front door costs: the Serve proxy, the ingress replica
-(vLLM's parsing, tokenizing and SSE) and the extra Ray hop. The requests are tokenized by the
+(vLLM's parsing, tokenizing and SSE). The requests are tokenized by the
 same tokenizer and turned into sampling settings by vLLM's own `CompletionRequest`, as the
 ingress does, so engines see identical token ids and sampling settings; the schedule comes
 from the load generator itself.

@@ -15,7 +15,7 @@ TTFT the client saw:
     "waiting for the KV" the rest: the READ's posting and the steps until its end is seen);
   - engine compute: first scheduled to first token (the prefill; on a decode engine the one
     step that computes the prompt's last token, or a local prefill);
-  - relay: the rest of the router's time for that leg: the Ray call to the engine actor,
+  - relay: the rest of the router's time for that leg: the token path to the engine actor,
     vLLM's front end there (input processing, the engine core's socket, output processing)
     and the first output's way back.
 """

@@ -229,11 +229,12 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     app_name: str = "tandem"
     route_prefix: str = "/"
     # Streamed tokens leave in chunks at most this many milliseconds apart; the first text
-    # and a request's last tokens never wait. Every chunk crosses two Ray hops and the HTTP
-    # proxy; at one chunk per token that relay costs more CPU than vLLM's own server spends
-    # per token. 50 matches Ray Serve LLM (stream_batching_interval_ms); on a 2-core host it
-    # gave 6.6-8.5 ms TPOT against 11.3-11.6 at 20 (docs/performance.md). 0 sends every
-    # engine step (as vLLM's server does).
+    # and a request's last tokens never wait. Every chunk costs the token path and vLLM's
+    # serving layer in the ingress (its SSE event), on a 2-core host on the engines' cores:
+    # there one chunk per step (0, as vLLM's server streams) doubled 1P1D's TPOT even on the
+    # ZMQ token path (docs/performance.md). 50 matches Ray Serve LLM
+    # (stream_batching_interval_ms); where the ingress has cores of its own, 0 gives a
+    # per-token stream.
     stream_batch_ms: Annotated[float, Meta(ge=0, le=1000)] = 50.0
     # Ingress replicas (HTTP parsing, tokenization, routing); each has its own router, and
     # every router follows the engines' KV events itself, so they route alike.

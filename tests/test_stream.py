@@ -48,6 +48,20 @@ def test_outputs_arrive_in_order_and_concurrent_streams_do_not_mix() -> None:
     run(go)
 
 
+def test_two_requests_with_the_same_id_stream_apart() -> None:
+    """Clients choose request ids (X-Request-Id): two at once under one id must not share a stream."""
+    async def go() -> None:
+        server = StreamServer("127.0.0.1")
+        server.start(count_up)
+        client = StreamClient(server.address)
+        a, b = await asyncio.gather(collect(client.generate(req("same", 30))), collect(client.generate(req("same", 20))))
+        assert a == [("same", i) for i in range(30)] and b == [("same", i) for i in range(20)]
+        client.close()
+        server.close()
+
+    run(go)
+
+
 def test_an_exception_the_engine_raises_reaches_the_router_as_itself() -> None:
     async def reject(r: EngineRequest, emit: Emit) -> None:
         await emit("partial")
