@@ -220,6 +220,16 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def kill_while_serving(up: Running, engine_id: str, pid: int, timeout_s: float = 30) -> None:
+    """SIGKILL `pid` once the router has a request in flight on `engine_id`: the kill lands
+    under load however fast the host serves (a fixed delay missed it once requests got faster)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(scrape(up), "tandem_router_outstanding_requests", engine=engine_id) == 0:
+        assert time.monotonic() < deadline, f"no request was in flight on {engine_id} within {timeout_s:.0f} s"
+        time.sleep(0.02)
+    kill(pid)
+
+
 def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Running) -> None:
     gcs = ray.get_runtime_context().gcs_address
     out = subprocess.run([str(BIN / "tandem"), "status", "--json", "--address", gcs], capture_output=True, text=True, timeout=120)
@@ -239,8 +249,8 @@ def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Runn
 
 def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, reference: dict) -> None:
     victim, expected = replica(status(pd), "prefill-0"), restarts(pd, plus_one="prefill-0")
-    indices = list(range(24))
-    results = load(pd, indices, concurrency=3, during=lambda: kill(victim.pid))
+    indices = list(range(24)) * 2
+    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", victim.pid), delay_s=0.3)
     check_answers(results, reference, indices)
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
@@ -258,8 +268,8 @@ def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, ref
 def test_killing_the_decode_engine_mid_stream_loses_no_request(pd: Running, reference: dict) -> None:
     victim, expected = replica(status(pd), "decode-0"), restarts(pd, plus_one="decode-0")
     before = metric(scrape(pd), "tandem_migrations_total")
-    indices = list(range(24))
-    results = load(pd, indices, concurrency=3, during=lambda: kill(victim.pid))
+    indices = list(range(24)) * 2
+    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "decode-0", victim.pid), delay_s=0.3)
     check_answers(results, reference, indices)  # streams continued unbroken, same text, right usage
     assert metric(scrape(pd), "tandem_migrations_total") > before, "streams in flight moved to another engine"
     full_strength(pd, expected)
@@ -271,8 +281,8 @@ def test_killing_vllms_engine_core_under_a_live_actor_restarts_the_replica(pd: R
     kills it so Ray restarts it, and it rejoins only as a new incarnation."""
     victim, expected = replica(status(pd), "prefill-0"), restarts(pd, plus_one="prefill-0")
     (core,) = [c for c in psutil.Process(victim.pid).children() if c.name() == "VLLM::EngineCore"]
-    indices = list(range(12))
-    results = load(pd, indices, concurrency=3, during=lambda: kill(core.pid), delay_s=0.5)
+    indices = list(range(24))
+    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", core.pid), delay_s=0.3)
     check_answers(results, reference, indices)
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
@@ -311,8 +321,8 @@ def test_an_engine_that_stalls_through_one_health_check_is_not_restarted(pd: Run
 def test_killing_the_cpu_tier_store_under_load_loses_no_request(pd: Running, reference: dict) -> None:
     (store,) = pd.deployment.kv_stores.values()
     old, expected = ray.get(store.stats.remote()), restarts(pd)
-    indices = list(range(12))
-    results = load(pd, indices, concurrency=3, during=lambda: kill(old.pid), delay_s=0.5)
+    indices = list(range(24))
+    results = load(pd, indices, concurrency=3, during=lambda: kill(old.pid), delay_s=0.3)
     check_answers(results, reference, indices)
     wait_until(lambda: _store_incarnation(store) not in (None, old.incarnation), RECOVERY_TIMEOUT_S, "the store restarted")
     full_strength(pd, expected)  # the engines never noticed
