@@ -94,7 +94,7 @@ class UnresumableError(RuntimeError):
     """The engine streaming a request failed and the request cannot continue elsewhere."""
 
 
-def is_client_error(err: BaseException) -> bool:
+def _is_client_error(err: BaseException) -> bool:
     """vLLM's own input checks in the engine (its VLLMClientError, ValueError, TypeError) are
     the request's fault: no retry, no engine marked failed, the client gets a 4xx."""
     from vllm.exceptions import VLLMClientError
@@ -130,7 +130,7 @@ async def stream_engine(
             engine_gone = True
             raise EngineFailure(engine, str(err), engine_down=True) from err
         except RemoteError as err:
-            if is_client_error(err.cause):
+            if _is_client_error(err.cause):
                 raise err.cause from None
             raise EngineFailure(engine, str(err), engine_down=False) from err
         raise EngineFailure(engine, "its stream ended before the request finished", engine_down=False)

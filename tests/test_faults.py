@@ -50,6 +50,9 @@ CONFIG = {
     "kv_transfer": {"connector": "FailingLoadNixlConnector", "module_path": "tests.faults"},
 }
 RECOVERY_TIMEOUT_S = 300
+# The scaling test's load runs LOAD_S, then pauses BREATH_S (idle cores once vLLM's engines stop
+# spinning, 1 s after their last message): shorter than its downscale delay.
+LOAD_S, BREATH_S = 6.0, 2.5
 
 
 @pytest.fixture(scope="module")
@@ -442,13 +445,27 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
 def test_the_decode_pool_grows_under_load_and_drains_before_it_shrinks(pd: Running, reference: dict) -> None:
     """8 requests at a time ask for two decode replicas (3 each at most); one at a time, for
     one. Requests keep flowing while the pool shrinks, so the drained replica has requests in
-    flight when it leaves routing: none may be cut off."""
+    flight when it leaves routing: none may be cut off.
+
+    The load pauses for BREATH_S every LOAD_S, shorter than the downscale delay: on a 2-core
+    host a load that never lets the cores idle starves the kernel's khugepaged (niceness 19),
+    which holds the mutex that the new engine's start waits on (vLLM's NUMA memory binding,
+    docs/performance.md), and the new replica then took over 10 minutes to start."""
     workers_wanted = 8
     results: list[Any] = []
+    flowing = asyncio.Event()
+
+    async def breathe() -> None:
+        while True:
+            flowing.set()
+            await asyncio.sleep(LOAD_S)
+            flowing.clear()
+            await asyncio.sleep(BREATH_S)
 
     async def steady(client: openai.AsyncOpenAI, k: int) -> None:
         i = k
         while k < workers_wanted:
+            await flowing.wait()
             try:
                 results.append((i % 24, await _one(client, i % 24, stream=i % 2 == 0)))
             except Exception as err:  # counted below: no request may fail
@@ -467,6 +484,7 @@ def test_the_decode_pool_grows_under_load_and_drains_before_it_shrinks(pd: Runni
     async def main() -> float:
         nonlocal workers_wanted
         client = openai.AsyncOpenAI(base_url=pd.url, api_key="unused", max_retries=0, timeout=300)
+        breathing = asyncio.ensure_future(breathe())
         workers = [asyncio.ensure_future(steady(client, k)) for k in range(8)]
         # The new engine starts on cores the loaded ones are computing on: on a 2-core CI host
         # its vLLM worker took 4 minutes just to import.
@@ -478,6 +496,7 @@ def test_the_decode_pool_grows_under_load_and_drains_before_it_shrinks(pd: Runni
         await until(lambda: len(decode_replicas()) == 1, "the decode pool shrank back to one replica")
         workers_wanted = 0
         await asyncio.gather(*workers)
+        breathing.cancel()
         return served
 
     served_by_new = asyncio.run(main())
