@@ -92,6 +92,18 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else 'no detail'}"
 
 
+def shrink_victim(active: list[Replica]) -> Replica:
+    """The replica a shrinking pool gives up: one still starting (the newest), which serves
+    nothing yet, else the healthy one with the fewest requests (the newest on a tie). Draining
+    a serving replica while another only starts would leave the pool with none serving when
+    a burst that asked for growth ends before the new replica is up."""
+    starting = [r for r in active if r.state == "starting"]
+    if starting:
+        return max(starting, key=lambda r: int(r.engine_id.rsplit("-", 1)[1]))
+    healthy = [r for r in active if r.state == "healthy"] or active
+    return min(healthy, key=lambda r: (r.load.num_requests if r.load else 0, -int(r.engine_id.rsplit("-", 1)[1])))
+
+
 @dataclass(eq=False)
 class Replica:
     """One engine replica and what the manager knows of it."""
@@ -535,10 +547,11 @@ class PoolManager:
                                 pool_role(role), sum(per_replica), size, decider.wanted(sum(per_replica)))  # type: ignore[arg-type]
                     asyncio.ensure_future(self._grow(role))  # type: ignore[arg-type]
                 elif target < size and active:
-                    healthy = [r for r in active if r.state == "healthy"] or active
-                    victim = min(healthy, key=lambda r: (r.load.num_requests if r.load else 0, -int(r.engine_id.rsplit("-", 1)[1])))
-                    logger.info("pool %s: load %.1f asks for %d replicas; draining %s",
-                                pool_role(role), sum(per_replica), target, victim.engine_id)  # type: ignore[arg-type]
+                    victim = shrink_victim(active)
+                    logger.info("pool %s: load %.1f asks for %d replicas; %s %s",
+                                pool_role(role), sum(per_replica), target,  # type: ignore[arg-type]
+                                "stopping the not yet serving" if victim.state == "starting" else "draining",
+                                victim.engine_id)
                     asyncio.ensure_future(self._retire(victim))
 
     async def _grow(self, role: Role) -> None:
@@ -562,8 +575,13 @@ class PoolManager:
             self._growing[role] -= 1
 
     async def _retire(self, r: Replica) -> None:
-        """Drain a replica (out of routing, its requests finish), then stop it for good."""
+        """Drain a replica (out of routing, its requests finish), then stop it for good; one
+        still starting never served and holds no KV, so it is stopped at once."""
         r.retiring = True
+        if r.state == "starting":
+            await self._stop_replica(r)
+            logger.info("engine %s stopped before it served", r.engine_id)
+            return
         self._set_state(r, "draining")
         deadline = time.monotonic() + self.cfg.pools[r.role].autoscaling.drain_timeout_s
         watched = r.task is not None and not r.task.done()  # its health calls keep r.load fresh

@@ -245,3 +245,22 @@ def test_a_missed_health_check_is_confirmed_before_the_engine_is_condemned() -> 
     # The pool's last replica in routing stays there while it is checked again.
     assert _check(0, 1.0, 0.0) == (True, [], 1)
     assert _check(0, 1.0, 1.0) == (False, [], 2)
+
+
+def test_a_shrinking_pool_gives_up_a_replica_still_starting_before_draining_a_serving_one() -> None:
+    """A burst asks for a second replica and ends before it is up: stopping the new one keeps
+    a replica serving; draining the serving one would leave the pool with none until the new
+    one starts."""
+    from actors.protocol import EngineLoad
+    from orchestrator.pools import Replica, shrink_victim
+
+    def replica(engine_id: str, state: str, requests: int = 0) -> Replica:
+        r = Replica(engine_id, "decode", None, None, state=state)  # type: ignore[arg-type]
+        r.load = EngineLoad(requests, 0, float(requests), 0.0, 0.0) if state == "healthy" else None
+        return r
+
+    serving, starting = replica("decode-0", "healthy", 0), replica("decode-1", "starting")
+    assert shrink_victim([serving, starting]) is starting
+    busy, idle = replica("decode-0", "healthy", 3), replica("decode-1", "healthy", 1)
+    assert shrink_victim([busy, idle]) is idle  # none starting: the least loaded healthy one
+    assert shrink_victim([replica("decode-0", "healthy", 1), replica("decode-1", "healthy", 1)]).engine_id == "decode-1"
