@@ -164,7 +164,7 @@ class StreamServer:
 
 class StreamClient:
     """A router's end of the token path to one engine incarnation: one DEALER socket, the
-    outputs of every request open on it sorted by request id. Made in the event loop that
+    outputs of every request open on it told apart by a tag of its own. Made in the event loop that
     uses it. Once its connection is lost it stays lost (`lost` says why): a new incarnation
     of the engine has a new address, and so a new client."""
 
