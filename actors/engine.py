@@ -70,6 +70,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     # The Ray node the deployer planned this engine for (its side channel host and cores
     # were derived from it); None: anywhere.
     node_id: str | None = None
+    # The port of its token path (actors.stream) on that node; None: one the OS picks.
+    stream_port: int | None = None
 
 
 class EngineMovedError(RuntimeError):
@@ -271,7 +273,7 @@ class EngineActor:
         vcfg = self.llm.vllm_config
         hash_algo, hash_seed = hash_settings(spec.engine_args)
         # Routers send requests and read outputs over this socket (actors.stream), not Ray calls.
-        self.stream = StreamServer(ray.util.get_node_ip_address())
+        self.stream = StreamServer(ray.util.get_node_ip_address(), spec.stream_port)
         side = None
         if kv_transfer is not None:
             side = f"{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_HOST')}:{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')}"

@@ -93,15 +93,25 @@ def _dump_error(err: BaseException) -> bytes:
 
 class StreamServer:
     """An engine actor's end of the token path: a ROUTER socket on `host` (the node's IP, as
-    Ray reports it) at a port the OS picks; `address` is what routers connect to."""
+    Ray reports it) at `port`, or one the OS picks; `address` is what routers connect to."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, port: int | None = None) -> None:
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         _configure(self._sock)
         # A send to a router that is no longer connected fails instead of vanishing.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind_host = f"[{host}]" if ":" in host else host
-        port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        if port is None:
+            port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        else:
+            try:
+                self._sock.bind(f"tcp://{bind_host}:{port}")
+            except zmq.ZMQError as err:
+                self._sock.close(linger=0)
+                raise OSError(
+                    f"the token path cannot listen on {host}:{port} ({err}); fix: free the port, or "
+                    "move serve.token_path_base_port to a range no other process on the node uses"
+                ) from None
         self.address = f"tcp://{bind_host}:{port}"
         self._reader: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()

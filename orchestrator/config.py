@@ -8,6 +8,7 @@ the engine args real vLLM args) live in :mod:`orchestrator.preflight`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import tomllib
@@ -236,6 +237,12 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # (stream_batching_interval_ms); where the ingress has cores of its own, 0 gives a
     # per-token stream.
     stream_batch_ms: Annotated[float, Meta(ge=0, le=1000)] = 50.0
+    # First port of the token path (requests and streamed outputs between routers and
+    # engines, actors/stream.py) on each node; engines on one node take consecutive ports,
+    # as with kv_transfer.side_channel_base_port. Unset: each engine listens on a port the OS
+    # picks, fine where nodes reach each other on any port; set it where a firewall opens
+    # only known ranges.
+    token_path_base_port: Port | None = None
     # Ingress replicas (HTTP parsing, tokenization, routing); each has its own router, and
     # every router follows the engines' KV events itself, so they route alike.
     ingress_replicas: PositiveInt = 1
@@ -307,12 +314,31 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         if self.colocated is None and (self.prefill is None) != (self.decode is None):
             missing = "decode" if self.decode is None else "prefill"
             raise ValueError(f"a disaggregated deployment needs both pools: add a `{missing}` section")
+        self._check_port_ranges()
         for where, args in self._engine_arg_sets():
             for key in args:
                 if key in RESERVED_ENGINE_ARGS:
                     raise ValueError(
                         f"`{where}.{key}` is set by Tandem: use `{RESERVED_ENGINE_ARGS[key]}` instead"
                     )
+
+    def _check_port_ranges(self) -> None:
+        """The ports engines take on a host (one of each kind per engine, as many engines as
+        every pool's max_replicas) must not overlap each other or the HTTP port."""
+        engines = sum(pool.max_size for pool in self.pools.values())
+        spans = [("serve.port", self.serve.port, 1),
+                 ("kv_transfer.side_channel_base_port", self.kv_transfer.side_channel_base_port, engines)]
+        if self.serve.token_path_base_port is not None:
+            spans.append(("serve.token_path_base_port", self.serve.token_path_base_port, engines))
+        for name, base, n in spans:
+            if base + n - 1 > 65535:
+                raise ValueError(f"`{name}` ({base}) leaves no room below 65536 for {n} engines' ports: lower it")
+        def ports(base: int, n: int) -> str:
+            return f"{base}" if n == 1 else f"{base}..{base + n - 1}, one port per engine"
+
+        for (a, a_base, a_n), (b, b_base, b_n) in itertools.combinations(spans, 2):
+            if a_base < b_base + b_n and b_base < a_base + a_n:
+                raise ValueError(f"`{b}` ({ports(b_base, b_n)}) overlaps `{a}` ({ports(a_base, a_n)}): move one of them")
 
     def _engine_arg_sets(self) -> list[tuple[str, dict[str, Any]]]:
         sets = [("engine_args", self.engine_args)]

@@ -66,8 +66,9 @@ class TandemEngineClient(EngineClient):
         self.input_processor = InputProcessor(vllm_config, self.renderer)
         self.router = router
         self._on_done = on_done
-        # The task consuming each request's stream, so that abort() can stop it.
-        self._consumers: dict[str, asyncio.Task[Any]] = {}
+        # The tasks consuming each request id's streams, so that abort() can stop them: like
+        # vLLM's, an abort stops every request sent under the id (clients may reuse X-Request-Id).
+        self._consumers: dict[str, set[asyncio.Task[Any]]] = {}
 
     async def generate(  # type: ignore[override]
         self,
@@ -109,7 +110,7 @@ class TandemEngineClient(EngineClient):
         kind = sampling_params.output_kind
         merged: RequestOutput | None = None
         num_out = 0
-        self._consumers[request_id] = consumer
+        self._consumers.setdefault(request_id, set()).add(consumer)
         try:
             async for out in self.router.generate(request, trace):
                 num_out += sum(len(c.token_ids) for c in out.outputs)
@@ -127,12 +128,15 @@ class TandemEngineClient(EngineClient):
         else:
             self._on_done(trace, len(request.prompt_token_ids), num_out)
         finally:
-            self._consumers.pop(request_id, None)
+            same_id = self._consumers[request_id]
+            same_id.discard(consumer)
+            if not same_id:
+                del self._consumers[request_id]
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now: their consumers are cancelled, which aborts them on their engines."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            if (task := self._consumers.get(rid)) is not None:
+            for task in self._consumers.get(rid, ()):
                 task.cancel()
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:

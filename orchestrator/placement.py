@@ -8,6 +8,7 @@ single node.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections import Counter, defaultdict
 from typing import Any
@@ -30,7 +31,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
 
 
 class EngineSlot(msgspec.Struct, frozen=True):
-    """One engine's place: its node, its side-channel port and the cores it binds to."""
+    """One engine's place: its node, its ports and the cores it binds to."""
 
     node_id: str
     node_ip: str
@@ -40,6 +41,21 @@ class EngineSlot(msgspec.Struct, frozen=True):
     cpu_binding: str | None
     # Cores of the engine's whole process tree (actor, engine core, workers); None: unbound.
     cores: list[int] | None = None
+    # The token path's port (actors.stream); None: the OS picks one.
+    stream_port: int | None = None
+
+
+class PortBases(msgspec.Struct, frozen=True):
+    """The first port of each kind on a host: an engine that is the k-th on its host takes
+    base + k of each, so engines sharing a host never collide."""
+
+    side_channel: int
+    # None: each engine's token path binds a port the OS picks.
+    stream: int | None = None
+
+    def slot_ports(self, k: int) -> tuple[int, int | None]:
+        """(side-channel port, token-path port) of the k-th engine on a host."""
+        return self.side_channel + k, None if self.stream is None else self.stream + k
 
 
 @ray.remote(num_cpus=0)
@@ -91,11 +107,11 @@ def split_cores(cores: list[int], num_engines: int, index: int, tp: int) -> str:
 def assign_slots(
     replica_nodes: list[str],
     tp_sizes: list[int],
-    base_port: int,
+    ports: PortBases,
     bind_cores: bool,
     facts: dict[str, NodeFacts],
 ) -> list[EngineSlot]:
-    """Give every engine a distinct side-channel port on its host and its own cores.
+    """Give every engine distinct ports on its host and its own cores.
 
     `replica_nodes[i]` is the node engine i was placed on. Ports are counted per node IP,
     not per Ray node, so several Ray nodes on one host (ray.cluster_utils.Cluster, or
@@ -113,8 +129,8 @@ def assign_slots(
         k, n = per_node[nid].index(i), len(per_node[nid])
         mine = engine_cores(f.cores, n, k) if bind_cores else None
         binding = omp_binding(mine, tp_sizes[i]) if mine is not None else None
-        port = base_port + per_ip[f.node_ip].index(i)
-        slots.append(EngineSlot(nid, f.node_ip, f.model_path, port, binding, mine))
+        side, stream = ports.slot_ports(per_ip[f.node_ip].index(i))
+        slots.append(EngineSlot(nid, f.node_ip, f.model_path, side, binding, mine, stream))
     return slots
 
 
@@ -128,8 +144,8 @@ class SlotAllocator:
     more, taken from its least used cores, since live engines keep their binding.
     """
 
-    def __init__(self, base_port: int, bind_cores: bool, model_source: str) -> None:
-        self.base_port = base_port
+    def __init__(self, ports: PortBases, bind_cores: bool, model_source: str) -> None:
+        self.ports = ports
         self.bind_cores = bind_cores
         self.model_source = model_source
         self._facts: dict[str, NodeFacts] = {}
@@ -137,17 +153,17 @@ class SlotAllocator:
 
     async def place_all(self, replica_nodes: list[str], tp_sizes: list[int]) -> list[EngineSlot]:
         await self._probe(set(replica_nodes))
-        slots = assign_slots(replica_nodes, tp_sizes, self.base_port, self.bind_cores, self._facts)
+        slots = assign_slots(replica_nodes, tp_sizes, self.ports, self.bind_cores, self._facts)
         self._live.extend(slots)
         return slots
 
     async def place_one(self, node_id: str, tp: int) -> EngineSlot:
         await self._probe({node_id})
         f = self._facts[node_id]
-        used_ports = {s.side_channel_port for s in self._live if s.node_ip == f.node_ip}
-        port = next(p for p in range(self.base_port, 65536) if p not in used_ports)
+        used = {s.side_channel_port - self.ports.side_channel for s in self._live if s.node_ip == f.node_ip}
+        side, stream = self.ports.slot_ports(next(k for k in itertools.count() if k not in used))
         mine = least_used_cores(f.cores, [s.cores or [] for s in self._live if s.node_id == node_id]) if self.bind_cores else None
-        slot = EngineSlot(node_id, f.node_ip, f.model_path, port, omp_binding(mine, tp) if mine else None, mine)
+        slot = EngineSlot(node_id, f.node_ip, f.model_path, side, omp_binding(mine, tp) if mine else None, mine, stream)
         self._live.append(slot)
         return slot
 

@@ -40,7 +40,7 @@ from actors.logs import setup_logging
 from actors.protocol import EngineInfo, EngineLoad, EngineRequest, Role
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.config import TandemConfig, parse_config
-from orchestrator.placement import EngineSlot, SlotAllocator, actor_resources, placement_bundles
+from orchestrator.placement import EngineSlot, PortBases, SlotAllocator, actor_resources, placement_bundles
 from orchestrator.protocol import (
     DeploymentStatus,
     EngineRef,
@@ -164,7 +164,7 @@ class PoolManager:
         self.health = self.cfg.health
         self.tier = CpuTier(self.cfg, ctx.namespace, ctx.gcs_address) if self.cfg.cpu_tier.enabled else None
         self.allocator = SlotAllocator(
-            self.cfg.kv_transfer.side_channel_base_port,
+            PortBases(self.cfg.kv_transfer.side_channel_base_port, self.cfg.serve.token_path_base_port),
             bind_cores=self.cfg.device == "cpu" and self.cfg.cpu.bind_cores == "auto",
             model_source=self.cfg.model.source,
         )

@@ -485,6 +485,10 @@ class Router:
         when a pinned engine fails.
         """
         trace.t_arrival = trace.t_arrival or time.perf_counter()
+        client_id = request.request_id
+        # Engines know the request by a name of its own (clients may reuse an X-Request-Id,
+        # and an engine aborts by name): the client's id plus 8 random characters, as vLLM does.
+        request = msgspec.structs.replace(request, request_id=f"{client_id}-{uuid.uuid4().hex[:8]}")
         self.stats.in_flight += 1
         phase: Phase = "queued"
         kv_params: dict[str, Any] | None = None
@@ -519,6 +523,7 @@ class Router:
                     if local is not None:
                         self._queue_local(local[0], -local[1])
                         local = None
+                    out.request_id = client_id
                     yield out
             if phase == "handoff":  # nothing streamed: the request ended before its first output
                 phase = "decode"
@@ -680,7 +685,7 @@ class Router:
                         if sampling.n == 1:
                             generated.extend(out.outputs[0].token_ids if out.outputs else ())
                         # Engines send no prompt (the client's, even when a resumed request's is longer).
-                        out.request_id, out.prompt_token_ids = request_id, prompt_ids
+                        out.prompt_token_ids = prompt_ids
                         out.prompt = request.prompt_fields.get("prompt")
                         out.num_cached_tokens = trace.num_cached_tokens
                         yield out

@@ -121,4 +121,5 @@ def engine_spec(cfg: TandemConfig, role: Role, engine_id: str, slot: EngineSlot,
         cores=slot.cores,
         slow_transfer_s=cfg.kv_transfer.slow_transfer_s,
         node_id=slot.node_id,
+        stream_port=slot.stream_port,
     )

@@ -12,7 +12,7 @@ import pytest
 from actors.load import LoadMeter
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
-from orchestrator.placement import actor_resources, least_used_cores, placement_bundles
+from orchestrator.placement import NodeFacts, PortBases, actor_resources, assign_slots, least_used_cores, placement_bundles
 from orchestrator.protocol import DeploymentStatus, PoolStatus, ReplicaStatus, TierStatus
 from orchestrator.status import render, to_json
 
@@ -143,6 +143,28 @@ def test_an_added_engine_takes_an_even_share_of_the_least_used_cores() -> None:
     assert least_used_cores(cores, [[0, 1, 2, 3], [4, 5, 6, 7]]) == [0, 1]
     assert least_used_cores(cores, [[0, 1, 2, 3]]) == [4, 5, 6, 7]  # a removed engine's cores are reused
     assert least_used_cores([0, 1], [[0], [1]]) == [0]  # more engines than cores: shared
+
+
+def test_engines_sharing_a_host_take_consecutive_ports_of_each_kind() -> None:
+    """Two Ray nodes on one host (as ray.cluster_utils.Cluster starts them) count as one host."""
+    facts = {"a": NodeFacts("a", "10.0.0.1", [0, 1], "/m"), "b": NodeFacts("b", "10.0.0.1", [0, 1], "/m"),
+             "c": NodeFacts("c", "10.0.0.2", [0, 1], "/m")}
+    slots = assign_slots(["a", "b", "c", "a"], [1, 1, 1, 1], PortBases(5600, 7000), False, facts)
+    assert [(s.node_ip, s.side_channel_port, s.stream_port) for s in slots] == [
+        ("10.0.0.1", 5600, 7000), ("10.0.0.1", 5601, 7001), ("10.0.0.2", 5600, 7000), ("10.0.0.1", 5602, 7002)]
+    assert {s.stream_port for s in assign_slots(["a", "c"], [1, 1], PortBases(5600), False, facts)} == {None}
+
+
+def test_engine_port_ranges_may_not_overlap() -> None:
+    with pytest.raises(ConfigError, match=r"`serve.token_path_base_port` \(5601..5602, one port per engine\) overlaps "
+                                          r"`kv_transfer.side_channel_base_port`"):
+        parse_config({"serve": {"token_path_base_port": 5601}})
+    with pytest.raises(ConfigError, match=r"`kv_transfer.side_channel_base_port` .* overlaps `serve.port` \(5603\)"):
+        parse_config({"serve": {"port": 5603}, "decode": {"replicas": 3}, "prefill": {}})
+    with pytest.raises(ConfigError, match="leaves no room below 65536"):
+        parse_config({"serve": {"token_path_base_port": 65535}})
+    cfg = parse_config({"serve": {"token_path_base_port": 5602}})  # 5600-5601 and 5602-5603
+    assert cfg.serve.token_path_base_port == 5602
 
 
 # ---- the operator's view -----------------------------------------------------------------

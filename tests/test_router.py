@@ -5,6 +5,7 @@ engines and real process deaths are exercised in tests/test_serving.py and tests
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -237,6 +238,11 @@ PROMPT = [1, 2, 3]
 UNDISTURBED = [1003 + i for i in range(8)]
 
 
+def leg(engine_side_id: str) -> str:
+    """An engine-side request name without the router's random part ("r-1a2b3c4d-p" -> "r-p")."""
+    return re.sub(r"-[0-9a-f]{8}(?=-|$)", "", engine_side_id, count=1)
+
+
 def routed(engines: list[EngineRef], **routing: Any) -> tuple[Router, list[Any]]:
     reports: list[Any] = []
     return Router(engines, RoutingConfig(**routing), report_failure=reports.append), reports
@@ -252,6 +258,26 @@ def run(router: Router, max_tokens: int = 8, trace: RequestTrace | None = None) 
 
 def nonzero(counts: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
+
+
+def test_two_requests_under_one_client_id_are_apart_on_the_engines() -> None:
+    """Clients reuse X-Request-Id; an engine aborts by name, so the router names each request
+    anew: leaving one of two same-named requests must not abort the other."""
+    p, d = FakeEngine("p"), FakeEngine("d")
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+
+    async def go() -> list[RequestOutput]:
+        left = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8)), RequestTrace())
+        await anext(left)
+        stays = [c async for c in router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8)), RequestTrace())]
+        await left.aclose()  # the first client leaves after the second finished
+        return stays
+
+    outputs = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    assert tokens(outputs) == UNDISTURBED and {o.request_id for o in outputs} == {"r"}
+    first, second = (r.request_id for r in d.requests)
+    assert first != second and leg(first) == leg(second) == "r-d"
+    assert d.aborted == [first]
 
 
 def test_least_outstanding_never_picks_an_engine_whose_process_failed() -> None:
@@ -289,7 +315,7 @@ def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
                              prefill_timeout_s=0.2)
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
-    assert slow.aborted == ["r-p"] and trace.prefill_engine == "p1"
+    assert [leg(a) for a in slow.aborted] == ["r-p"] and trace.prefill_engine == "p1"
     assert nonzero(router.stats.retries) == {"prefill_timeout": 1}
     assert reports == []  # slow is not dead: it stays in routing
 
@@ -386,7 +412,7 @@ def test_a_client_leaving_during_decode_aborts_the_decode_request() -> None:
     p, d = FakeEngine("p"), FakeEngine("d")
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
     _consume_until(router, 2)
-    assert d.aborted == ["r-d"] and nonzero(router.stats.aborts) == {"decode": 1} and router.stats.in_flight == 0
+    assert [leg(a) for a in d.aborted] == ["r-d"] and nonzero(router.stats.aborts) == {"decode": 1} and router.stats.in_flight == 0
 
 
 def test_a_client_leaving_during_prefill_aborts_it_and_releases_kv_it_already_held() -> None:
@@ -403,8 +429,8 @@ def test_a_client_leaving_during_prefill_aborts_it_and_releases_kv_it_already_he
             await task
 
     asyncio.run(go())
-    assert p.aborted == ["r-p"]
-    assert d.released == [("r-p-release", p.abort_answer)]  # freed now, not at the lease's end
+    assert [leg(a) for a in p.aborted] == ["r-p"]
+    assert [(leg(r), params) for r, params in d.released] == [("r-p-release", p.abort_answer)]  # freed now, not at the lease's end
     assert d.requests == [] and nonzero(router.stats.aborts) == {"prefill": 1}
 
 
@@ -423,5 +449,5 @@ def test_a_client_leaving_before_the_first_token_aborts_the_decode_request_that_
             await task
 
     asyncio.run(go())
-    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p"} and d.aborted == ["r-d"]
+    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p"} and [leg(a) for a in d.aborted] == ["r-d"]
     assert nonzero(router.stats.aborts) == {"handoff": 1} and router.stats.in_flight == 0

@@ -6,6 +6,7 @@ One deployment and one colocated reference engine serve the whole module.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.engines
 
 MAX_MODEL_LEN = 1024
 MODEL = "tandem-tiny"
+TOKEN_PATH_PORT = free_port(8)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
             # Serve's proxy in front: this module checks that path end to end (streaming,
             # cancellation by disconnect, bad input); the others run the default, the ingress
             # answering HTTP itself.
-            "serve": {"port": free_port(), "http": "proxy"},
+            "serve": {"port": free_port(), "http": "proxy", "token_path_base_port": TOKEN_PATH_PORT},
             "kv_transfer": {"side_channel_base_port": free_port(8)},
         }
     )
@@ -219,6 +221,40 @@ def test_client_disconnect_aborts_decode(pd: Running, client: openai.OpenAI) -> 
         assert time.time() < deadline, "the decode engine never aborted the abandoned request"
         time.sleep(0.5)
     assert client.completions.create(model=MODEL, prompt="next", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+
+
+def test_a_client_leaving_does_not_stop_another_request_under_its_request_id(pd: Running) -> None:
+    """Clients reuse X-Request-Id; each request runs apart on the engines, so one client
+    hanging up stops only its own request."""
+    before = metric(metrics(pd), "tandem_engine_requests_aborted_total", pool="decode")
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"X-Request-Id": "shared-id"}
+
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", f"{pd.url}/completions", json=body, headers=headers) as leaves:
+                assert leaves.status_code == 200
+                async with http.stream("POST", f"{pd.url}/completions", json=body, headers=headers) as stays:
+                    assert stays.status_code == 200
+                    lines = stays.aiter_lines()
+                    first = await anext(lines)
+                    await anext(leaves.aiter_lines())
+                    await leaves.aclose()  # the first client hangs up while both stream
+                    return [first] + [line async for line in lines]
+
+    events = [json.loads(line.removeprefix("data: ")) for line in asyncio.run(go()) if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 400  # the other request ran to its end
+    deadline = time.time() + 60
+    while (aborted := metric(metrics(pd), "tandem_engine_requests_aborted_total", pool="decode")) <= before:
+        assert time.time() < deadline, "the decode engine never aborted the abandoned request"
+        time.sleep(0.5)
+    assert aborted == before + 1
+
+
+def test_engines_listen_on_the_configured_token_path_ports(pd: Running) -> None:
+    ports = sorted(int(info.stream_address.rpartition(":")[2]) for info in pd.deployment.infos)
+    assert ports == [TOKEN_PATH_PORT, TOKEN_PATH_PORT + 1]
 
 
 def test_engine_abort_ends_the_stream_and_counts_as_aborted(reference: EngineRef) -> None:

@@ -15,6 +15,7 @@ from vllm.exceptions import VLLMValidationError
 
 from actors.protocol import EngineRequest
 from actors.stream import EngineStreams, Emit, RemoteError, StreamClient, StreamLost, StreamServer
+from tests.conftest import free_port
 
 
 def req(rid: str, n: int = 3) -> EngineRequest:
@@ -175,6 +176,24 @@ def test_the_registry_opens_a_new_client_for_an_engine_listed_again() -> None:
         streams.keep([])  # retired, and closed at once: nothing is open on it
         assert await collect(streams.generate(server.address, req("r2", 2))) == [("r2", 0), ("r2", 1)]
         streams.close()
+        server.close()
+
+    run(go)
+
+
+def test_an_engine_listens_on_the_configured_port_or_says_which_one_is_taken() -> None:
+    """serve.token_path_base_port: firewalled clusters open known ports only."""
+
+    async def go() -> None:
+        port = free_port()
+        server = StreamServer("127.0.0.1", port)
+        server.start(count_up)
+        assert server.address == f"tcp://127.0.0.1:{port}"
+        client = StreamClient(server.address)
+        assert await collect(client.generate(req("a", 2))) == [("a", 0), ("a", 1)]
+        with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} .*serve.token_path_base_port"):
+            StreamServer("127.0.0.1", port)
+        client.close()
         server.close()
 
     run(go)
