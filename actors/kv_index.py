@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 import ray
+import zmq
 
 logger = logging.getLogger("tandem.kv_index")
 
@@ -58,6 +59,9 @@ PIN_LEASE_S = 120.0
 RESTART_QUARANTINE_S = 30.0
 # How often a restarted index retries finding the deployment's stores when the search fails.
 STORE_SEARCH_RETRY_S = 5.0
+# Changes of what the tier holds kept for followers (``KVIndex.changes``); one further
+# behind gets everything held instead.
+CHANGE_LOG_LEN = 100_000
 
 
 class StoreEndpoint(msgspec.Struct, frozen=True):
@@ -97,6 +101,28 @@ class Grant(msgspec.Struct, frozen=True):
     # The store's endpoint, when the caller did not know this incarnation (it saves into the
     # grant at once, without another round trip).
     endpoint: StoreEndpoint | None = None
+
+
+# The key in a request's kv_transfer_params under which a router tells the engine how many of
+# the prompt's blocks the tier holds as far as it knows (TierChanges): told none, the tier's
+# connector skips its lookup, which would hold the request for a round trip to the index.
+TIER_HINT = "tandem_tier_blocks"
+
+
+class TierChanges(msgspec.Struct, frozen=True):
+    """What the tier holds, for a router that follows it (``KVIndex.changes``): from `since`
+    to `version`, every block committed (hash -> node of its store) and every one gone, or,
+    when `full`, everything held at `version`."""
+
+    # The index's life: a restarted index starts over, and a follower with it.
+    incarnation: str
+    since: int
+    version: int
+    full: bool
+    held: dict[bytes, str]
+    gone: list[bytes]
+    # Where the index publishes its changes as they happen (ZMQ PUB); set on Ray answers.
+    feed: str = ""
 
 
 class OwnerRelease(msgspec.Struct, frozen=True):
@@ -190,6 +216,37 @@ class KVIndex:
         # (free again at, store id, incarnation, slot), in time order
         self._quarantine: deque[tuple[float, str, str, int]] = deque()
         self.stats = IndexStats()
+        # What followers need: (version, hash, node of its store, or None once gone), in
+        # version order; `version` counts every change of the committed blocks.
+        self.version = 0
+        self._log: deque[tuple[int, bytes, str | None]] = deque(maxlen=CHANGE_LOG_LEN)
+
+    @property
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    def _changed(self, h: bytes, e: _Entry, held: bool) -> None:
+        """Log a committed block becoming loadable (`held`) or going away."""
+        if not held and e.grant_id is not None:
+            return  # never loadable, never announced
+        self.version += 1
+        self._log.append((self.version, h, self._stores[e.store_id].endpoint.node_id if held else None))
+
+    def changes(self, incarnation: str, version: int) -> TierChanges:
+        """What changed in the held blocks since a follower's `version` of this `incarnation`;
+        everything held when it follows another life or fell out of the log."""
+        since_log = self._log[0][0] - 1 if self._log else self.version
+        if incarnation != self._incarnation or version < since_log or version > self.version:
+            held = {h: self._stores[e.store_id].endpoint.node_id for h, e in self._blocks.items() if e.grant_id is None}
+            return TierChanges(self._incarnation, 0, self.version, True, held, [])
+        now: dict[bytes, str | None] = {}
+        for v, h, node in reversed(self._log):
+            if v <= version:
+                break
+            now.setdefault(h, node)
+        return TierChanges(self._incarnation, version, self.version, False,
+                           {h: node for h, node in now.items() if node is not None},
+                           [h for h, node in now.items() if node is None])
 
     # ---- stores ----
 
@@ -222,11 +279,12 @@ class KVIndex:
     def forget_store(self, store_id: str) -> int:
         """Drop a store with every block and grant it held (its pool is gone, so no slot of it
         can be reused); returns blocks dropped."""
-        if self._stores.pop(store_id, None) is None:
+        if store_id not in self._stores:
             return 0
         dropped = [h for h, e in self._blocks.items() if e.store_id == store_id]
         for h in dropped:
-            del self._blocks[h]
+            self._changed(h, self._blocks.pop(h), held=False)
+        del self._stores[store_id]
         for grant_id in [g for g, grant in self._grants.items() if grant.store_id == store_id]:
             del self._grants[grant_id]
         self._quarantine = deque(q for q in self._quarantine if q[1] != store_id)
@@ -238,7 +296,8 @@ class KVIndex:
         open grants and pinned blocks go through quarantine, but a load planned before the
         flush may still read an overwritten slot later: use it on an idle deployment."""
         dropped = len(self._blocks)
-        for e in self._blocks.values():
+        for h, e in self._blocks.items():
+            self._changed(h, e, held=False)
             if e.pins or e.grant_id is not None:
                 self._quarantine_slot(e)
             else:
@@ -280,19 +339,6 @@ class KVIndex:
             self._pins[pin_key] = _Pin(pinned, self._clock())
         self.stats.num_hit_blocks += len(locations)
         return LookupReply(locations)
-
-    def held_prefix(self, hashes: list[bytes]) -> dict[str, int]:
-        """The run of committed blocks from hashes[0] on, counted by the node of the store
-        holding each: a router's question, so nothing is pinned, counted or moved in the LRU
-        order."""
-        by_node: dict[str, int] = {}
-        for h in hashes:
-            e = self._blocks.get(h)
-            if e is None or e.grant_id is not None:
-                break
-            node = self._stores[e.store_id].endpoint.node_id
-            by_node[node] = by_node.get(node, 0) + 1
-        return by_node
 
     def unpin(self, pin_key: str) -> None:
         """Release a lookup's pins (after its load, or when the request ends); idempotent."""
@@ -360,6 +406,7 @@ class KVIndex:
             if ok:
                 e.grant_id = None
                 self.stats.num_saved_blocks += 1
+                self._changed(h, e, held=True)
             else:
                 del self._blocks[h]
                 store.free.append(e.slot)
@@ -368,6 +415,7 @@ class KVIndex:
         for h, e in self._blocks.items():
             if e.store_id == store_id and e.grant_id is None and e.pins == 0:
                 del self._blocks[h]
+                self._changed(h, e, held=False)
                 self._stores[store_id].free.append(e.slot)
                 self.stats.num_evicted_blocks += 1
                 return True
@@ -476,6 +524,17 @@ class KVIndexActor:
         namespace None: this job's)."""
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.index = KVIndex(hold_grants_s=restart_quarantine_s if restarted else 0.0)
+        # Routers follow what the tier holds from this feed (orchestrator.cache_view.TierView):
+        # every change is published as it happens, so no router asks per request. The actor
+        # stays synchronous: its callers rely on their calls running in the order sent.
+        self._feed = zmq.Context.instance().socket(zmq.PUB)
+        self._feed.setsockopt(zmq.SNDHWM, 0)  # followers resync after a gap; nothing is dropped here
+        self._feed.setsockopt(zmq.LINGER, 0)
+        host = ray.util.get_node_ip_address()
+        bind_host = f"[{host}]" if ":" in host else host
+        self.feed_address = f"tcp://{bind_host}:{self._feed.bind_to_random_port(f'tcp://{bind_host}')}"
+        self._published = 0
+        self._encoder = msgspec.msgpack.Encoder()
         self._store_search: _StoreSearch | None = None
         if restarted:
             logger.warning("CPU tier index restarted empty; granting no slots for %.0f s", restart_quarantine_s)
@@ -491,21 +550,37 @@ class KVIndexActor:
         if self._store_search.done:
             self._store_search = None
 
+    def _publish(self) -> None:
+        """Send followers what changed since the last message (called after every call that
+        may change the held blocks)."""
+        if self.index.version != self._published:
+            changes = self.index.changes(self.index.incarnation, self._published)
+            self._published = changes.version
+            self._feed.send(self._encoder.encode(changes))
+
+    def changes(self, incarnation: str, version: int) -> TierChanges:
+        """What changed since a follower's `version` of this `incarnation` (everything, when it
+        follows another life or fell behind), and where the feed is."""
+        return msgspec.structs.replace(self.index.changes(incarnation, version), feed=self.feed_address)
+
     def set_slot_bytes(self, slot_bytes: int) -> None:
         self.index.set_slot_bytes(slot_bytes)
 
     def register_store(self, endpoint: StoreEndpoint) -> None:
         self.index.register_store(endpoint)
+        self._publish()
         logger.info("CPU tier store %s (node %s, incarnation %s, %.2f GiB) registered",
                     endpoint.store_id, endpoint.node_id, endpoint.incarnation, endpoint.pool_bytes / 2**30)
 
     def forget_store(self, store_id: str) -> int:
         dropped = self.index.forget_store(store_id)
+        self._publish()
         logger.warning("CPU tier store %s forgotten with its %d blocks", store_id, dropped)
         return dropped
 
     def clear(self) -> int:
         dropped = self.index.clear()
+        self._publish()
         logger.warning("CPU tier flushed: %d blocks dropped", dropped)
         return dropped
 
@@ -516,9 +591,6 @@ class KVIndexActor:
     def lookup(self, pin_key: str, hashes: list[bytes]) -> LookupReply:
         self._adopt_stores()
         return self.index.lookup(pin_key, hashes)
-
-    def held_prefix(self, hashes: list[bytes]) -> dict[str, int]:
-        return self.index.held_prefix(hashes)
 
     def unpin(self, pin_key: str) -> None:
         self.index.unpin(pin_key)
@@ -532,10 +604,13 @@ class KVIndexActor:
         known_incarnation: str | None = None,
     ) -> Grant | None:
         self._adopt_stores()
-        return self.index.allocate(store_id, hashes, owner, slot_bytes, known_incarnation)
+        grant = self.index.allocate(store_id, hashes, owner, slot_bytes, known_incarnation)
+        self._publish()  # a full store evicts
+        return grant
 
     def commit(self, grant: Grant, ok: bool) -> None:
         self.index.commit(grant, ok)
+        self._publish()
 
     def release_owner(self, owner: str) -> OwnerRelease:
         """Called by the control plane when it sees an engine incarnation die."""

@@ -186,7 +186,7 @@ def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | Non
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, 1, 1).pools.values()) for s in scenarios)
+        need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, base.serve.port, base.kv_transfer.side_channel_base_port).pools.values()) for s in scenarios)
         start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1), log_to_driver=False)
     try:
         yield

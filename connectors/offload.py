@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from actors.kv_index import BlockLocation
+from actors.kv_index import TIER_HINT, BlockLocation
 from actors.kv_store import TierSettings
 from connectors.offload_worker import CpuTierWorker
 
@@ -107,6 +107,12 @@ class TierStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def _tier_holds_none(request: Request) -> bool:
+    """The router that sent the request knows the tier holds none of its prompt's blocks
+    (TIER_HINT): a lookup would only hold the request for the index's "no"."""
+    return (request.kv_transfer_params or {}).get(TIER_HINT) == 0
 
 
 def _join_ray(settings: TierSettings) -> None:
@@ -216,7 +222,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         """Called when a request reaches the scheduler: start its lookup now, so the answer is
         usually in by the time the scheduler first considers the request."""
-        if self.settings.load and self._loadable_blocks(request) > 0:
+        if self.settings.load and self._loadable_blocks(request) > 0 and not _tier_holds_none(request):
             self._start_lookup(request, 0)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -224,7 +230,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         for the index's answer, then returns (None, False) while it is still in flight; once
         answered, (tokens of the held prefix beyond num_computed_tokens, True: loaded
         asynchronously), or (0, False) on a miss."""
-        if not self.settings.load:
+        if not self.settings.load or _tier_holds_none(request):
             return 0, False
         req_id = request.request_id
         first = num_computed_tokens // self.block_size

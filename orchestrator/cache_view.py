@@ -8,23 +8,28 @@ restarted engine is a new incarnation and starts from an empty view.
 
 Events lag a request by an engine step or two, so a router also counts the blocks of the
 requests it just sent to an engine as held there for a few seconds (`expect`): a burst of
-requests sharing a prefix then follows the first one instead of scattering. The CPU tier's
-index answers for the tier (`tier_prefix`), when the deployment has one.
+requests sharing a prefix then follows the first one instead of scattering. The CPU tier is
+followed too, when the deployment has one (`TierView`: the index publishes every change of
+what it holds, `KVIndexActor.changes` answers the rest): asking the index per request would
+put a round trip on every request's path, and on an engine's, its lookup.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+import zmq
+import zmq.asyncio
 from ray.exceptions import RayError
 
 from actors.kv_events import PrefixHasher, as_key
+from actors.kv_index import TierChanges
 from actors.protocol import CacheUpdate
 from orchestrator.protocol import EngineRef
 
@@ -35,8 +40,6 @@ POLL_S = 1.0
 # Blocks of a request just routed to an engine count as held there this long, or until the
 # engine's events say otherwise.
 EXPECT_TTL_S = 5.0
-# A router waits this long for the CPU tier's answer before deciding without it.
-TIER_TIMEOUT_S = 0.05
 
 
 class EngineCache:
@@ -93,6 +96,45 @@ class EngineCache:
                 self.expected[k] = deadline
 
 
+class TierView:
+    """What the CPU tier holds (block hash -> node of its store), as the router last heard.
+    Until the first answer, and while the index does not answer, it knows nothing (`synced`
+    False): routing then counts no tier hits and engines look the tier up themselves."""
+
+    def __init__(self) -> None:
+        self.incarnation = ""
+        self.version = 0
+        self.held: dict[bytes, str] = {}
+        self.synced = False
+
+    def apply(self, changes: TierChanges) -> None:
+        if changes.full:
+            self.held = dict(changes.held)
+        else:
+            self.held.update(changes.held)
+            for h in changes.gone:
+                self.held.pop(h, None)
+        self.incarnation, self.version, self.synced = changes.incarnation, changes.version, True
+
+    def prefix(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """The run of `hashes` held from the first on, counted by node."""
+        by_node: dict[str, int] = {}
+        for h in hashes:
+            node = self.held.get(h)
+            if node is None:
+                break
+            by_node[node] = by_node.get(node, 0) + 1
+        return by_node
+
+
+def _subscribe(address: str) -> zmq.asyncio.Socket:
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(address)
+    return sub
+
+
 class PromptKeys:
     """A prompt's block hashes and keys per block geometry, computed once per request."""
 
@@ -100,7 +142,7 @@ class PromptKeys:
         self._view = view
         self.token_ids = token_ids
         self._by_hasher: dict[tuple[str, str, int], tuple[list[bytes], list[int]]] = {}
-        # The CPU tier's answer (CacheView.tier_prefix), asked once per request.
+        # The CPU tier's run of the prompt, by node (CacheView.tier_prefix), once per request.
         self.tier: dict[str, int] | None = None
 
     def for_engine(self, ref: EngineRef) -> tuple[list[bytes], list[int]]:
@@ -118,6 +160,8 @@ class CacheView:
     def __init__(self, tier_index: Any | None = None) -> None:
         """`tier_index`: the CPU tier's KVIndexActor handle, None when there is no tier."""
         self.tier_index = tier_index
+        self.tier = TierView() if tier_index is not None else None
+        self._tier_task: asyncio.Task[None] | None = None
         self.caches: dict[str, EngineCache] = {}
         # engine id -> the task following it and the EngineCache that task fills
         self._tasks: dict[str, tuple[asyncio.Task[None], EngineCache]] = {}
@@ -141,6 +185,8 @@ class CacheView:
             followed = self._tasks.get(eid)
             if followed is None or followed[0].done():
                 self._tasks[eid] = (asyncio.get_running_loop().create_task(self._follow(cache)), cache)
+        if self.tier is not None and (self._tier_task is None or self._tier_task.done()):
+            self._tier_task = asyncio.get_running_loop().create_task(self._follow_tier(self.tier))
 
     async def _follow(self, cache: EngineCache) -> None:
         while True:
@@ -155,6 +201,49 @@ class CacheView:
                 logger.info("engine %s is a new incarnation (%s); its prefix view starts anew",
                             cache.ref.engine_id, update.incarnation)
             cache.apply(update)
+
+    async def _follow_tier(self, tier: TierView) -> None:
+        """Follow the index's feed of changes; ask it over Ray at the start, after a gap in the
+        feed (a message lost to a reconnect), and after POLL_S without news (a restarted
+        index has a new feed)."""
+        decoder = msgspec.msgpack.Decoder(TierChanges)
+        sub: zmq.asyncio.Socket | None = None
+        feed = ""
+        ask = True
+        try:
+            while True:
+                if ask:
+                    try:
+                        answer = await self.tier_index.changes.remote(tier.incarnation, tier.version)
+                    except RayError as err:
+                        # The index restarts (Ray brings it back empty): until it answers, no tier hits.
+                        logger.debug("CPU tier changes failed: %s", err)
+                        tier.synced = False
+                        await asyncio.sleep(POLL_S)
+                        continue
+                    if answer.incarnation != tier.incarnation and tier.incarnation:
+                        logger.info("the CPU tier's index is a new incarnation (%s); its view starts anew", answer.incarnation)
+                    tier.apply(answer)
+                    if answer.feed != feed:
+                        if sub is not None:
+                            sub.close(linger=0)
+                        sub, feed = _subscribe(answer.feed), answer.feed
+                    ask = False
+                assert sub is not None
+                try:
+                    changes = decoder.decode(await asyncio.wait_for(sub.recv(), POLL_S))
+                except asyncio.TimeoutError:
+                    ask = True
+                    continue
+                if changes.incarnation == tier.incarnation and changes.version <= tier.version:
+                    continue  # already known from an answer over Ray
+                if changes.incarnation == tier.incarnation and (changes.full or changes.since == tier.version):
+                    tier.apply(changes)
+                else:
+                    ask = True
+        finally:
+            if sub is not None:
+                sub.close(linger=0)
 
     def hasher(self, algo: str, seed: str, block_size: int) -> PrefixHasher:
         spec = (algo, seed, block_size)
@@ -194,22 +283,29 @@ class CacheView:
         """What the router last heard from the engine (its load included), if anything."""
         return self.caches.get(engine_id)
 
-    async def tier_prefix(self, ref: EngineRef, prompt: PromptKeys) -> dict[str, int]:
+    def tier_prefix(self, ref: EngineRef, prompt: PromptKeys) -> dict[str, int]:
         """The CPU tier's run of the prompt's blocks from the first, counted by node; empty
-        when there is no tier or it does not answer in TIER_TIMEOUT_S (routing goes on)."""
-        if self.tier_index is None:
+        when there is no tier or the router has not heard from it."""
+        if self.tier is None or not self.tier.synced:
             return {}
         if prompt.tier is None:
-            prompt.tier = {}
-            hashes, _ = prompt.for_engine(ref)
-            if hashes:
-                with contextlib.suppress(RayError, asyncio.TimeoutError):
-                    prompt.tier = await asyncio.wait_for(self.tier_index.held_prefix.remote(hashes), TIER_TIMEOUT_S)
+            prompt.tier = self.tier.prefix(prompt.for_engine(ref)[0])
         return prompt.tier
+
+    def tier_blocks(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
+        """How many of the prompt's blocks the CPU tier holds anywhere in it, for engine `ref`'s
+        tier lookup (TIER_HINT); None when the router does not know."""
+        if self.tier is None or not self.tier.synced:
+            return None
+        held = self.tier.held
+        return sum(1 for h in prompt.for_engine(ref)[0] if h in held)
 
     async def close(self) -> None:
         tasks = [task for task, _ in self._tasks.values()]
         self._tasks.clear()
+        if self._tier_task is not None:
+            tasks.append(self._tier_task)
+            self._tier_task = None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

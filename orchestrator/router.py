@@ -49,6 +49,7 @@ from typing import Any, Literal, get_args
 import msgspec
 from ray.exceptions import RayError
 
+from actors.kv_index import TIER_HINT
 from actors.protocol import EngineRequest, Role
 from actors.stream import EngineStreams, RemoteError, StreamLost
 from orchestrator.cache_view import CacheView, PromptKeys
@@ -362,7 +363,7 @@ class Router:
             if len(candidates) <= 1:  # no choice: no scores, no tier lookup on the request's path
                 return candidates[0] if candidates else None
             weights = self.routing.scorers
-            tier = await self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
+            tier = self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
             facts = [self._facts(e, picker, prompt, tier) for e in candidates]
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
@@ -443,7 +444,7 @@ class Router:
         cached = ahead = 0.0
         picker = self.pools["prefill"]
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
-            tier = await self.cache.tier_prefix(decode, prompt)
+            tier = self.cache.tier_prefix(decode, prompt)
             cached = self.cache.cached_tokens(decode, prompt)
             cached += self._tier_tokens(decode, tier, cached)
             n = len(prompt.token_ids)
@@ -561,7 +562,7 @@ class Router:
                 picker.acquire(engine, work)
                 try:
                     last = await asyncio.wait_for(
-                        self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}"),
+                        self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}", prompt),
                         self.routing.prefill_timeout_s,
                     )
                 except asyncio.TimeoutError:
@@ -590,11 +591,22 @@ class Router:
         self._fall_back(trace, reason)
         return None
 
-    async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str) -> Any:
+    async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str,
+                            prompt: PromptKeys | None) -> Any:
         """The prefill engine's last output for `request` (its kv_transfer_params)."""
-        req = msgspec.structs.replace(request, request_id=request_id, kv_transfer_params={"do_remote_decode": True},
-                                      origin=self.origin)
+        req = msgspec.structs.replace(request, request_id=request_id, origin=self.origin,
+                                      kv_transfer_params=self._tier_hint(engine, prompt, {"do_remote_decode": True}))
         return await _for_kv_only(self.streams, engine, req, self._held_kv_releaser(request_id))
+
+    def _tier_hint(self, engine: EngineRef, prompt: PromptKeys | None,
+                   kv_params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`kv_params` plus, for an engine that loads from the CPU tier, how many of the
+        prompt's blocks the tier holds as far as this router knows (TIER_HINT): an engine told
+        none skips its lookup instead of holding the request for the index's answer."""
+        if prompt is None or self.cache is None or not engine.loads_tier:
+            return kv_params
+        held = self.cache.tier_blocks(engine, prompt)
+        return kv_params if held is None else {**(kv_params or {}), TIER_HINT: held}
 
     def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
         async def release(kv_params: dict[str, Any]) -> None:
@@ -653,7 +665,7 @@ class Router:
                 request_id=f"{request_id}{suffix}",
                 prompt_token_ids=prompt_ids + generated,
                 sampling=_continuation(sampling, len(generated)),
-                kv_transfer_params=kv_params,
+                kv_transfer_params=self._tier_hint(engine, prompt, kv_params),
                 stream_batch_s=self.stream_batch_s,
                 resume_from=len(prompt_ids) if resumed else None,
                 origin=self.origin,
@@ -666,11 +678,11 @@ class Router:
             serving, picker, serving_work = engine, self.pools[engine.role], work
             picker.acquire(serving, serving_work)
             try:
-                if req.kv_transfer_params and sampling.n > 1:
+                if kv_params and sampling.n > 1:
                     # vLLM's decode side would pull the KV once per sequence, and the prefill
                     # side frees it after the first pull: pull once, the sequences share it.
                     await _for_kv_only(self.streams, engine, msgspec.structs.replace(req, request_id=f"{req.request_id}-pull"))
-                    req = msgspec.structs.replace(req, kv_transfer_params=None)
+                    req = msgspec.structs.replace(req, kv_transfer_params=self._tier_hint(engine, prompt, None))
                 async with contextlib.aclosing(stream_engine(self.streams, engine, req)) as outputs:
                     async for out in outputs:
                         if any(c.finish_reason == "error" for c in out.outputs):

@@ -196,6 +196,9 @@ def test_a_prompt_prefilled_on_the_decode_engine_is_saved_to_the_tier(pd: Runnin
     else:
         pytest.fail("every short head went to the prefill pool")
     before = loaded_from_tier()
+    # Routers learn of the head's blocks in the tier from the index's feed, milliseconds after
+    # the save; a request routed sooner would be told the tier holds none of it (a missed hit).
+    time.sleep(0.5)
     complete(pd, head + prompt(90, 400))  # long and uncached: prefilled remotely
     deadline = time.monotonic() + 30
     while loaded_from_tier() - before < 32 and time.monotonic() < deadline:

@@ -167,6 +167,25 @@ def test_unsized_store_grants_nothing() -> None:
 TIER = TierSettings(ray_address="127.0.0.1:6379", namespace="ns", index_actor="tandem:kv-index", store_id="n1")
 
 
+def test_the_change_log_tells_followers_what_was_committed_and_what_left() -> None:
+    index = index_with(endpoint("s0", slots=2))
+    first = index.changes("", 0)  # a new follower gets everything, at the current version
+    assert first.full and first.held == {} and first.version == index.version
+    save(index, "s0", [H[0], H[1]])
+    grant = index.allocate("s0", [H[2]], "e")  # full: evicts H[0]; uncommitted H[2] is not announced
+    assert grant is not None
+    delta = index.changes(first.incarnation, first.version)
+    assert not delta.full and delta.since == first.version and delta.version == index.version
+    assert delta.held == {H[1]: "node-s0"} and delta.gone == [H[0]]  # H[0] came and went: its last state counts
+    index.commit(grant, ok=True)
+    later = index.changes(delta.incarnation, delta.version)
+    assert later.held == {H[2]: "node-s0"} and later.gone == []
+    index.forget_store("s0")
+    gone = index.changes(later.incarnation, later.version)
+    assert gone.held == {} and sorted(gone.gone) == [H[1], H[2]]
+    assert index.changes("another life", 3).full  # a restarted index's followers start over
+
+
 def test_tier_is_on_by_default() -> None:
     cfg = parse_config(None)
     assert cfg.cpu_tier.enabled is True
@@ -308,10 +327,16 @@ def ray_get(ref: Any) -> Any:
     return ray.get(ref, timeout=60)
 
 
+def request(req_id: str, hashes: list[bytes], kv_transfer_params: dict[str, Any] | None = None) -> SimpleNamespace:
+    """A vLLM Request as the connector reads it: full blocks of `hashes` plus one token."""
+    return SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=len(hashes) * BS + 1,
+                           kv_transfer_params=kv_transfer_params)
+
+
 def arrived(conn: Any, index: Any, req_id: str, num_blocks: int = 3) -> SimpleNamespace:
     """A request of `num_blocks` full blocks (+1 token) handed to the connector on arrival;
     returns once the index has served its lookup."""
-    req = SimpleNamespace(request_id=req_id, block_hashes=H[:num_blocks], num_tokens=num_blocks * BS + 1)
+    req = request(req_id, H[:num_blocks])
     conn.on_new_request(req)
     ray_get(index.get_stats.remote())  # the actor runs calls in order: the lookup is answered
     return req
@@ -349,13 +374,70 @@ def test_a_local_hit_longer_than_the_tier_run_is_a_miss(tier_scheduler: tuple[An
 
 def test_a_request_seen_first_by_the_scheduler_is_answered_once_the_index_replies(tier_scheduler: tuple[Any, Any]) -> None:
     conn, _ = tier_scheduler
-    req = SimpleNamespace(request_id="no-arrival", block_hashes=H[:3], num_tokens=3 * BS + 1)
+    req = request("no-arrival", H[:3])
     deadline = time.monotonic() + 60
     while (answer := conn.get_num_new_matched_tokens(req, 0)) == (None, False):
         assert time.monotonic() < deadline, "the lookup was never answered"
         time.sleep(0.01)
     assert answer == (2 * BS, True)
     conn.request_finished(req, [])
+
+
+def test_a_request_whose_router_knows_the_tier_holds_none_of_it_asks_the_index_nothing(
+    tier_scheduler: tuple[Any, Any],
+) -> None:
+    """TIER_HINT 0: no lookup, no wait; a hint above 0 (or none) looks up as before."""
+    from actors.kv_index import TIER_HINT
+
+    conn, index = tier_scheduler
+    lookups = ray_get(index.get_stats.remote()).num_lookups
+    req = request("told-none", H[:3], {TIER_HINT: 0})
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ray_get(index.get_stats.remote()).num_lookups == lookups
+    conn.request_finished(req, [])
+    req = request("told-some", H[:3], {TIER_HINT: 2})
+    conn.on_new_request(req)
+    ray_get(index.get_stats.remote())
+    assert conn.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    assert ray_get(index.get_stats.remote()).num_lookups == lookups + 1
+    conn.request_finished(req, [])
+
+
+def test_a_router_follows_the_tier_from_the_index_feed(tier_scheduler: tuple[Any, Any]) -> None:
+    """The CacheView's TierView takes the index's answer, then every commit and eviction from
+    its feed, with no call per request."""
+    import asyncio
+
+    from orchestrator.cache_view import CacheView
+
+    _, index = tier_scheduler
+    ray_get(index.register_store.remote(endpoint("feed", slots=1)))
+
+    async def follow() -> None:
+        view = CacheView(index)
+        view.sync()
+        tier = view.tier
+        assert tier is not None
+
+        async def until(check: Any) -> None:
+            for _ in range(600):
+                if tier.synced and check():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"the view never caught up: {tier.held}")
+
+        await until(lambda: H[0] in tier.held)  # committed before the router came
+        grant = await index.allocate.remote("feed", [H[13]], "e0")
+        await index.commit.remote(grant, True)
+        await until(lambda: tier.held.get(H[13]) == "node-feed")
+        grant = await index.allocate.remote("feed", [H[14]], "e0")  # the store is full: H[13] is evicted
+        await index.commit.remote(grant, True)
+        await until(lambda: H[13] not in tier.held and H[14] in tier.held)
+        await view.close()
+
+    asyncio.run(asyncio.wait_for(follow(), timeout=60))
+    ray_get(index.forget_store.remote("feed"))
 
 
 def test_a_corrupting_connector_fails_only_marked_requests_from_the_given_block(tier_scheduler: tuple[Any, Any]) -> None:
@@ -372,7 +454,7 @@ def test_a_corrupting_connector_fails_only_marked_requests_from_the_given_block(
     faulty = CorruptingCpuTierConnector(conn._vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
     slots = {}
     for req_id in ("plain", "x-tierfail-1"):
-        req = SimpleNamespace(request_id=req_id, block_hashes=held, num_tokens=len(held) * BS + 1)
+        req = request(req_id, held)
         faulty.on_new_request(req)
         ray_get(index.get_stats.remote())
         assert faulty.get_num_new_matched_tokens(req, 0) == (len(held) * BS, True)

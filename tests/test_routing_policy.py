@@ -15,10 +15,12 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
 from actors.kv_events import KVEventFollower, PrefixHasher, as_key
+from actors.kv_index import TIER_HINT, TierChanges
 from actors.protocol import CacheUpdate, EngineRequest
 from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
@@ -552,10 +554,15 @@ def test_routers_follow_only_the_pools_whose_caches_they_look_at() -> None:
 
 
 class _Tier:
-    """A CPU-tier index handle that holds every block asked about, on one node."""
+    """A CPU-tier index handle whose tier holds these prompts' blocks, on node n1, with a real
+    feed that publishes nothing new."""
 
-    def __init__(self) -> None:
-        self.held_prefix = _Method(lambda hashes: _done({"n1": len(hashes)}))
+    def __init__(self, *held_prompts: list[int]) -> None:
+        hasher = PrefixHasher("sha256", SEED, BLOCK)
+        held = {h: "n1" for p in held_prompts for h in hasher.hashes(p)}
+        self.feed = zmq.Context.instance().socket(zmq.PUB)
+        address = f"tcp://127.0.0.1:{self.feed.bind_to_random_port('tcp://127.0.0.1')}"
+        self.changes = _Method(lambda incarnation, version: _done(TierChanges("t0", 0, 1, True, held, [], address)))
 
 
 def test_the_tier_counts_for_a_local_prefill_only_where_the_decode_engine_loads_from_it() -> None:
@@ -568,10 +575,41 @@ def test_the_tier_counts_for_a_local_prefill_only_where_the_decode_engine_loads_
     for loads_tier, expected in ((False, "remote"), (True, "local")):
         prefill, decode = CachingEngine("p"), CachingEngine("d")
         decode_ref = msgspec.structs.replace(decode.ref("decode"), node_id="n1", loads_tier=loads_tier)
-        router = Router([prefill.ref("prefill"), decode_ref], cfg, cache_view=CacheView(_Tier()))
+        router = Router([prefill.ref("prefill"), decode_ref], cfg, cache_view=CacheView(_Tier(prompt)))
         trace = RequestTrace()
         serve_one(router, prompt, trace)
         assert trace.disaggregation == expected, loads_tier
+
+
+def test_engines_hear_how_much_of_the_prompt_the_tier_holds_so_a_miss_skips_their_lookup() -> None:
+    """The router follows the tier's index; each request tells an engine that loads from the
+    tier how many of its prompt's blocks the tier holds (0: the engine does not ask the index)."""
+    from orchestrator.cache_view import CacheView
+
+    held, fresh = SYSTEM, list(range(7000, 7000 + 4 * BLOCK))
+    for prompt, expected in ((held, 8), (fresh, 0)):
+        engine = CachingEngine("e")
+        ref = msgspec.structs.replace(engine.ref("both"), loads_tier=True)
+        serve_one(Router([ref], RoutingConfig(policy="kv_aware"), cache_view=CacheView(_Tier(held))), prompt, RequestTrace())
+        assert engine.requests[-1].kv_transfer_params == {TIER_HINT: expected}
+    # An engine that does not load from the tier is told nothing (the connector asks nothing).
+    engine = CachingEngine("e")
+    serve_one(Router([engine.ref("both")], RoutingConfig(policy="kv_aware"), cache_view=CacheView(_Tier(held))),
+              held, RequestTrace())
+    assert engine.requests[-1].kv_transfer_params is None
+
+
+def test_the_tier_view_follows_commits_and_evictions() -> None:
+    from orchestrator.cache_view import TierView
+
+    view = TierView()
+    assert not view.synced and view.prefix([b"a"]) == {}
+    view.apply(TierChanges("t0", 0, 2, True, {b"a": "n1", b"b": "n2"}, []))
+    assert view.synced and view.prefix([b"a", b"b", b"c"]) == {"n1": 1, "n2": 1}
+    view.apply(TierChanges("t0", 2, 3, False, {b"c": "n1"}, [b"a"]))
+    assert view.prefix([b"a", b"b"]) == {} and view.prefix([b"b", b"c"]) == {"n2": 1, "n1": 1}
+    view.apply(TierChanges("t1", 0, 0, True, {}, []))  # the index restarted empty
+    assert view.held == {} and view.incarnation == "t1"
 
 
 def test_an_engine_dropped_and_listed_again_is_followed_into_its_new_view() -> None:

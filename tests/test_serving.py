@@ -252,6 +252,26 @@ def test_a_client_leaving_does_not_stop_another_request_under_its_request_id(pd:
     assert aborted == before + 1
 
 
+def test_a_prompt_the_tier_does_not_hold_costs_the_engine_no_lookup(pd: Running, client: openai.OpenAI) -> None:
+    """The router follows what the CPU tier holds (the index's feed) and tells the prefill
+    engine; told the tier holds none of a prompt, the engine does not ask the index."""
+    import ray
+
+    def lookups() -> int:
+        return ray.get(pd.deployment.kv_index.get_stats.remote(), timeout=60).num_lookups
+
+    rng = random.Random(7)
+    client.completions.create(model=MODEL, prompt=random_prompt(rng, 300), max_tokens=1)  # the router's view is live
+    time.sleep(1.0)
+    fresh = random_prompt(rng, 300)
+    before = lookups()
+    client.completions.create(model=MODEL, prompt=fresh, max_tokens=2, temperature=0)
+    assert lookups() == before
+    time.sleep(1.0)  # its blocks were saved; the router hears so from the feed
+    client.completions.create(model=MODEL, prompt=fresh, max_tokens=2, temperature=0)
+    assert lookups() == before + 1  # now the tier holds it: the engine looks it up
+
+
 def test_engines_listen_on_the_configured_token_path_ports(pd: Running) -> None:
     ports = sorted(int(info.stream_address.rpartition(":")[2]) for info in pd.deployment.infos)
     assert ports == [TOKEN_PATH_PORT, TOKEN_PATH_PORT + 1]
