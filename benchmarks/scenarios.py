@@ -174,6 +174,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
+def cpus_needed(base: TandemConfig, scenarios: list[Scenario]) -> int:
+    """The CPUs an embedded Ray must offer for the largest scenario's pools, plus one."""
+    port, side = base.serve.port, base.kv_transfer.side_channel_base_port
+    return int(max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, port, side).pools.values())
+                   for s in scenarios)) + 1
+
+
 @contextmanager
 def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | None) -> Iterator[None]:
     """One Ray for every scenario: joined at `address`, or embedded on loopback; reused if already up."""
@@ -186,8 +193,7 @@ def shared_ray(base: TandemConfig, scenarios: list[Scenario], address: str | Non
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        need = max(sum(p.num_cpus * p.replicas for p in scenario_config(base, s, base.serve.port, base.kv_transfer.side_channel_base_port).pools.values()) for s in scenarios)
-        start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1), log_to_driver=False)
+        start_embedded_ray(max(os.cpu_count() or 1, cpus_needed(base, scenarios)), log_to_driver=False)
     try:
         yield
     finally:

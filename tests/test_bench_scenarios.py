@@ -122,6 +122,13 @@ def test_the_vllm_server_command_carries_the_same_engine_args() -> None:
         assert part in joined
 
 
+def test_an_embedded_ray_offers_the_cpus_of_the_largest_scenario() -> None:
+    from benchmarks.scenarios import cpus_needed
+
+    base = parse_config(None)
+    assert cpus_needed(base, parse_scenarios("colocated:1,2p2d,vllm-server")) == 5  # 4 engines of 1 CPU, plus one
+
+
 def test_free_ports_are_consecutive_bindable_outside_the_ephemeral_range_and_never_repeated() -> None:
     first = free_ports(3)
     for port in range(first, first + 3):
