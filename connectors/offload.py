@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,9 +91,6 @@ class TierMetadata(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
-    # Requests that finished with saves perhaps not yet written, whose blocks the scheduler
-    # holds until the worker reports them in finished_sending.
-    held_for_saves: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -212,17 +208,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self._lookups: dict[str, _Pending] = {}
         self._saved_blocks: dict[str, int] = {}
         self._meta = TierMetadata()
-        # Requests with saves in each of the last two plans: the worker may not have written
-        # those yet when the request finishes (it writes a plan's saves at the start of the
-        # next step, and with async scheduling the next plan is made before this one runs).
-        self._recent_savers: deque[set[str]] = deque([set(), set()], maxlen=2)
-        self._held: list[str] = []
         # Worker state: this step's saves (block ids, hashes, pending slot request), bound
-        # before the forward pass; the last step's, written at the start of this one; and the
-        # finished requests whose blocks wait for those writes.
+        # before the forward pass and written in wait_for_save.
         self._step_saves: list[tuple[list[int], list[bytes], Any | None]] = []
-        self._deferred_saves: list[tuple[list[int], list[bytes], Any | None]] = []
-        self._acks: list[str] = []
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -312,34 +300,28 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Called once per step: the loads planned since the last step, and saves of the full
         prompt blocks this step computes."""
-        savers: set[str] = set()
         if self.settings.store_id is not None:
             steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
             cached = scheduler_output.scheduled_cached_reqs
             steps += list(zip(cached.req_ids, cached.num_computed_tokens))
             for req_id, computed in steps:
-                if self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)):
-                    savers.add(req_id)
-        self._recent_savers.append(savers)
-        self._meta.held_for_saves, self._held = self._held, []
+                self._plan_save(req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
         meta, self._meta = self._meta, TierMetadata()
         return meta
 
-    def _plan_save(self, req_id: str, computed_after: int) -> bool:
-        """Plan the save of the request's full prompt blocks computed by this step (True if any)."""
+    def _plan_save(self, req_id: str, computed_after: int) -> None:
         request = self._requests.get(req_id)
         if request is None or self._kv_cache_manager is None:
-            return False
+            return
         full = min(computed_after, request.num_prompt_tokens) // self.block_size
         full = min(full, len(request.block_hashes))
         done = self._saved_blocks.get(req_id, 0)
         if full <= done:
-            return False
+            return
         block_ids = self._kv_cache_manager.get_block_ids(req_id)[0][done:full]
         hashes = [bytes(h) for h in request.block_hashes[done:full]]
         self._meta.saves.append(SaveJob(block_ids, hashes))
         self._saved_blocks[req_id] = full
-        return True
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Called once per step with the workers' results: a finished load releases its pins."""
@@ -347,17 +329,12 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
             self._unpin(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Called once when a request ends. Its blocks stay allocated (True) while a save of
-        them may be unwritten; the worker reports the request in finished_sending once the
-        saves are written."""
+        """Called once when a request ends. Saves are synchronous, so blocks may be freed now."""
         req_id = request.request_id
         if self._lookups.pop(req_id, None) is not None or req_id in self._requests:
             self._unpin(req_id)
         self._requests.pop(req_id, None)
         self._saved_blocks.pop(req_id, None)
-        if any(req_id in savers for savers in self._recent_savers):
-            self._held.append(req_id)
-            return True, None
         return False, None
 
     def _pin_key(self, req_id: str) -> str:
@@ -383,7 +360,6 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self._step_saves = [
             (job.block_ids, job.hashes, self.worker.request_slots(job.hashes)) for job in connector_metadata.saves
         ]
-        self._acks += connector_metadata.held_for_saves
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Called once per step: post this step's planned loads."""
@@ -400,28 +376,16 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         pass
 
     def wait_for_save(self) -> None:
-        """Called after each forward pass, before its tokens are sampled: the blocks it
-        completed are written at the start of the next step (`handle_preemptions`), so the
-        write does not delay this step's tokens, a new request's first one above all."""
-        self._deferred_saves += self._step_saves
-        self._step_saves = []
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Called at the start of every step, before anything writes the KV cache (the forward
-        pass, loads into newly allocated blocks): write the last step's blocks now, while they
-        still hold what it computed, even those of a request preempted or finished since."""
+        """Called after each forward pass: write the blocks it completed to the store."""
         assert self.worker is not None
-        saves, self._deferred_saves = self._deferred_saves, []
+        saves, self._step_saves = self._step_saves, []
         self.worker.save(saves, self.block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Called once per step: finished requests whose saves are all written (the scheduler
-        held their blocks; their last saves were written at the start of this step at the
-        latest), and requests whose loads ended (errors reported separately), after the step's
-        housekeeping (answers from the index, transfers that outlived their step)."""
+        """Called once per step: requests whose loads ended (errors reported separately), after
+        the step's housekeeping (answers from the index, transfers that outlived their step)."""
         assert self.worker is not None
-        written, self._acks = set(self._acks), []
-        return written or None, self.worker.poll() or None
+        return None, self.worker.poll() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_error_blocks() if self.worker is not None else set()

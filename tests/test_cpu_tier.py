@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.kv_index import TIER_HINT, KVIndex, StoreEndpoint
+from actors.kv_index import KVIndex, StoreEndpoint
 from actors.kv_store import TierSettings
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.specs import kv_transfer_for
@@ -387,6 +387,8 @@ def test_a_request_whose_router_knows_the_tier_holds_none_of_it_asks_the_index_n
     tier_scheduler: tuple[Any, Any],
 ) -> None:
     """TIER_HINT 0: no lookup, no wait; a hint above 0 (or none) looks up as before."""
+    from actors.kv_index import TIER_HINT
+
     conn, index = tier_scheduler
     lookups = ray_get(index.get_stats.remote()).num_lookups
     req = request("told-none", H[:3], {TIER_HINT: 0})
@@ -436,49 +438,6 @@ def test_a_router_follows_the_tier_from_the_index_feed(tier_scheduler: tuple[Any
 
     asyncio.run(asyncio.wait_for(follow(), timeout=60))
     ray_get(index.forget_store.remote("feed"))
-
-
-def test_a_request_finishing_before_its_saves_are_written_keeps_its_blocks_until_they_are(
-    tier_scheduler: tuple[Any, Any],
-) -> None:
-    """Saves are written at the start of the step after the one that computed the blocks (off
-    the path of that step's tokens); a request finishing meanwhile keeps its blocks, and the
-    next plan tells the worker to report it once written."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from connectors.offload import TandemCpuTierConnector
-
-    conn, _ = tier_scheduler
-    settings = TierSettings(ray_address="unused", namespace="tandem-test", index_actor="sched-test-index", store_id="s0")
-    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings),
-                                                                engine_id="e1"),
-                             cache_config=conn._vllm_config.cache_config)
-    saver = TandemCpuTierConnector(config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
-    saver.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: [[7, 8, 9]], block_pool=None))
-
-    def step(*computing: SimpleNamespace) -> Any:
-        return saver.build_connector_meta(SimpleNamespace(
-            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, num_computed_tokens=0) for r in computing],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={r.request_id: r.num_tokens for r in computing},
-        ))
-
-    def arrive(req_id: str) -> SimpleNamespace:
-        req = request(req_id, H[:2], {TIER_HINT: 0})
-        req.num_prompt_tokens = req.num_tokens
-        saver.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [[7, 8, 9]]), 0)
-        return req
-
-    short, long_done = arrive("short"), arrive("long-done")
-    (job,) = step(short).saves  # "short" computes its 2 blocks this step and finishes
-    assert job.block_ids == [7, 8]
-    assert saver.request_finished(short, [7, 8, 9]) == (True, None)  # held for the write
-    assert step().held_for_saves == ["short"]
-    step(long_done)
-    step()
-    step()  # two plans later its saves were written at the start of a step that has run
-    assert saver.request_finished(long_done, [7, 8, 9]) == (False, None)
-    assert step().held_for_saves == []
 
 
 def test_a_corrupting_connector_fails_only_marked_requests_from_the_given_block(tier_scheduler: tuple[Any, Any]) -> None:
