@@ -209,8 +209,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self._saved_blocks: dict[str, int] = {}
         self._meta = TierMetadata()
         # Worker state: this step's saves (block ids, hashes, pending slot request), bound
-        # before the forward pass and written in wait_for_save.
+        # before the forward pass; and the last step's, written at the start of this one.
         self._step_saves: list[tuple[list[int], list[bytes], Any | None]] = []
+        self._deferred_saves: list[tuple[list[int], list[bytes], Any | None]] = []
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -329,7 +330,8 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
             self._unpin(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Called once when a request ends. Saves are synchronous, so blocks may be freed now."""
+        """Called once when a request ends. Its blocks may be freed now: a save of them not yet
+        written is written before any plan that can reuse them runs (handle_preemptions)."""
         req_id = request.request_id
         if self._lookups.pop(req_id, None) is not None or req_id in self._requests:
             self._unpin(req_id)
@@ -354,7 +356,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before each forward pass: ask the index for slots for this step's saves now,
-        so its answer is in by wait_for_save (vLLM calls start_load_kv after the forward)."""
+        so its answer is in when they are written (vLLM calls start_load_kv after the forward)."""
         super().bind_connector_metadata(connector_metadata)
         assert self.worker is not None and isinstance(connector_metadata, TierMetadata)
         self._step_saves = [
@@ -376,9 +378,21 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         pass
 
     def wait_for_save(self) -> None:
-        """Called after each forward pass: write the blocks it completed to the store."""
+        """Called after each forward pass, before its tokens are sampled: the blocks it
+        completed are written at the start of the next step instead (`handle_preemptions`),
+        so the write does not delay this step's tokens, a new request's first one above all."""
+        self._deferred_saves += self._step_saves
+        self._step_saves = []
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called at the start of every step, forward pass or not, before anything can write
+        the KV cache (the forward pass, loads into newly allocated blocks): write the last
+        step's blocks now, while they still hold what it computed. No block needs holding for
+        this: a block freed (a request finished, aborted or preempted) is handed out again at
+        the earliest in a plan made after the free, and that plan's step starts here. vLLM
+        runs one more step after any request finishes, so the last saves are written too."""
         assert self.worker is not None
-        saves, self._step_saves = self._step_saves, []
+        saves, self._deferred_saves = self._deferred_saves, []
         self.worker.save(saves, self.block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -1,10 +1,11 @@
 """Worker role of the CPU tier connector: moves KV blocks between this engine's KV cache and
 the stores' host pools with one-sided NIXL transfers.
 
-Saves are synchronous, in ``wait_for_save`` right after the forward pass that computed the
-blocks (the blocks may be freed and reused the step after); their slots are requested from
-the index when the step's metadata is bound, before the forward pass, so the index round
-trip hides behind it and only the local NIXL WRITE is paid in the step. Loads are
+Saves are synchronous, at the start of the step after the one that computed the blocks
+(``handle_preemptions``, before anything can overwrite them), so the WRITE does not delay
+the tokens of the step that computed them; their slots are requested from the index when
+the step's metadata is bound, before the forward pass, so the index round trip hides behind
+it and only the local NIXL WRITE is paid, in the next step. Loads are
 asynchronous: posted in ``start_load_kv`` and polled in ``get_finished``. Any failure (a
 dead store, a location outside its pool, a transfer error) marks the request's blocks as
 load errors, which vLLM recomputes.
@@ -42,11 +43,11 @@ from actors.nixl_agent import make_nixl_agent
 
 logger = logging.getLogger("tandem.cpu_tier")
 
-# How long wait_for_save waits for the slot grant asked for before the forward pass. The
+# How long a save waits for the slot grant asked for before the forward pass. The
 # answer is normally in by then (0.3-0.6 ms measured); a slower index costs one save, not a
 # stalled step, and the grant is given back when it arrives.
 GRANT_WAIT_S = 0.02
-# How long wait_for_save waits for its WRITE (a healthy one of a step's blocks takes 1-2 ms).
+# How long a save waits for its WRITE (a healthy one of a step's blocks takes 1-2 ms).
 # Past it the WRITE is left running and later saves to that store are skipped until it ends,
 # so a stalled store costs one step this long, once.
 WRITE_TIMEOUT_S = 1.0
@@ -319,8 +320,8 @@ class CpuTierWorker:
 
     def save(self, jobs: list[tuple[list[int], list[bytes], Any | None]], block_size: int) -> None:
         """Write this step's computed blocks, (block ids, hashes, `request_slots` answer) per
-        job, to their granted slots; called in wait_for_save, so the blocks are valid until it
-        returns. Waits at most GRANT_WAIT_S for the grants together; a failed or skipped save
+        job, to their granted slots; called at the start of the next step, before anything
+        can overwrite the blocks. Waits at most GRANT_WAIT_S for the grants together; a failed or skipped save
         is logged and dropped (a miss later)."""
         refs = [ref for _, _, ref in jobs if ref is not None]
         if not refs:

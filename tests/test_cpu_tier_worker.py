@@ -186,6 +186,42 @@ def test_the_first_grant_brings_the_endpoint_of_the_store() -> None:
     assert index.endpoint.calls == [] and commits(index) == [True]
 
 
+def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
+    """The connector writes a step's blocks when the next step starts (handle_preemptions, in
+    every step, forward pass or not), not after the forward pass that computed them, where
+    the WRITE would delay that step's tokens."""
+    from types import SimpleNamespace
+
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from actors.kv_store import TierSettings
+    from connectors.offload import SaveJob, TandemCpuTierConnector, TierMetadata
+
+    settings = TierSettings(ray_address="unused", namespace="tandem-test", index_actor="no-index", store_id="s0")
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings),
+                                                                engine_id="e1"),
+                             cache_config=SimpleNamespace(block_size=16))
+    conn = TandemCpuTierConnector(config, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=NUM_BLOCKS))
+    index, agent = FakeIndex(), FakeAgent()
+    conn.worker = worker_with(index, agent, Clock(tick=0.001))
+    index.allocate.answer = grant([5, 6])
+    writes = lambda: [local for op, local in agent.posted.values() if op == "WRITE"]  # noqa: E731
+
+    conn.handle_preemptions(TierMetadata())
+    conn.bind_connector_metadata(TierMetadata(saves=[SaveJob([2, 3], [bytes([5]), bytes([6])])]))
+    conn.wait_for_save()  # the forward pass that computed blocks 2 and 3 has ended
+    assert writes() == [] and commits(index) == []
+    conn.clear_connector_metadata()
+    conn.handle_preemptions(TierMetadata())  # the next step, before it can touch the KV cache
+    (local,) = writes()
+    assert len(local) == 4 and commits(index) == [True]  # blocks 2 and 3 of both layers
+    conn.bind_connector_metadata(TierMetadata())
+    conn.wait_for_save()
+    conn.handle_preemptions(TierMetadata())
+    assert len(writes()) == 1  # nothing written twice
+
+
 def test_a_write_outliving_its_step_keeps_its_grant_until_the_transfer_ends() -> None:
     index, agent = FakeIndex(), FakeAgent()
     agent.script = ["PROC"]
