@@ -271,7 +271,8 @@ class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # The cluster-wide CPU KV tier: an index actor plus one store actor per node that
     # hosts engines; engines save prompt KV blocks there and load shared prefixes back.
     # On by default: engines run TandemMultiConnector with [P/D connector, CPU tier]
-    # (colocated: the tier alone). `enabled: false` gives the NIXL-only path.
+    # (colocated: the tier alone). `enabled: false` gives the NIXL-only path, and is
+    # required with `device: cuda` (the tier moves host-memory KV caches only, for now).
     enabled: bool = True
     # Host memory of each node's store pool, GiB (allocated up front).
     size_gib: Annotated[float, Meta(gt=0)] = 0.5
@@ -314,6 +315,12 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         if self.colocated is None and (self.prefill is None) != (self.decode is None):
             missing = "decode" if self.decode is None else "prefill"
             raise ValueError(f"a disaggregated deployment needs both pools: add a `{missing}` section")
+        if self.device == "cuda" and self.cpu_tier.enabled:
+            raise ValueError(
+                "`cpu_tier.enabled` must be false with `device: cuda`: the CPU tier moves blocks of "
+                "KV caches in host memory only (it registers them with NIXL as host memory); set "
+                "`cpu_tier: {enabled: false}`"
+            )
         self._check_port_ranges()
         for where, args in self._engine_arg_sets():
             for key in args:

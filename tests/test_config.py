@@ -79,6 +79,13 @@ def test_colocated_excludes_pools() -> None:
         parse_config({"colocated": {}, "prefill": {}, "decode": {}})
 
 
+def test_the_cpu_tier_is_refused_on_gpu_engines_with_the_fix() -> None:
+    """The tier registers KV memory with NIXL as host memory: on a CUDA KV cache it cannot work."""
+    with pytest.raises(ConfigError, match=r"`cpu_tier\.enabled` must be false with `device: cuda`.*enabled: false"):
+        parse_config({"device": "cuda"})
+    assert not parse_config({"device": "cuda", "cpu_tier": {"enabled": False}}).cpu_tier.enabled
+
+
 def test_reserved_engine_args_point_to_the_right_field() -> None:
     with pytest.raises(ConfigError, match=r"`prefill\.engine_args\.tensor_parallel_size`.*tensor_parallel_size"):
         parse_config({"prefill": {"engine_args": {"tensor_parallel_size": 2}}, "decode": {}})
