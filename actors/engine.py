@@ -351,7 +351,10 @@ class EngineActor:
         self.requests_by_origin[req.origin] += 1
         self.kv_events.poke()  # routers' view of the load
         try:
-            prompt = req.prompt_fields | {"prompt_token_ids": req.prompt_token_ids}
+            # Already rendered by the ingress: a typed token input takes vLLM's direct path (a
+            # raw prompt would be rendered again, on the renderer's thread pool, a thread hop
+            # on the TTFT path).
+            prompt = req.prompt_fields | {"type": "token", "prompt_token_ids": req.prompt_token_ids}
             stream = self.llm.generate(prompt, params, req.request_id, **req.generate_kwargs)
             async with contextlib.aclosing(batched(stream, req.stream_batch_s, _has_text)) as batches:
                 async for batch in batches:
