@@ -207,6 +207,8 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         self._lookups: dict[str, _Pending] = {}
         self._saved_blocks: dict[str, int] = {}
+        # Requests whose planned load has not ended: they hold pins until it does.
+        self._loading: set[str] = set()
         self._meta = TierMetadata()
         # Worker state: this step's saves (block ids, hashes, pending slot request), bound
         # before the forward pass; and the last step's, written at the start of this one.
@@ -297,6 +299,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         first, num_blocks = pending.first_block, num_external_tokens // self.block_size
         block_ids = blocks.get_block_ids()[0][first : first + num_blocks]
         self._meta.loads.append(LoadJob(req_id, block_ids, pending.locations[:num_blocks]))
+        self._loading.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Called once per step: the loads planned since the last step, and saves of the full
@@ -327,14 +330,19 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Called once per step with the workers' results: a finished load releases its pins."""
         for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
             self._unpin(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once when a request ends. Its blocks may be freed now: a save of them not yet
         written is written before any plan that can reuse them runs (handle_preemptions)."""
         req_id = request.request_id
-        if self._lookups.pop(req_id, None) is not None or req_id in self._requests:
+        # Pins are held by a lookup not yet used and by a load not yet ended; a request that
+        # had neither (told the tier holds none of it, a miss, a load that ended) holds none,
+        # and costs the index no call.
+        if self._lookups.pop(req_id, None) is not None or req_id in self._loading:
             self._unpin(req_id)
+        self._loading.discard(req_id)
         self._requests.pop(req_id, None)
         self._saved_blocks.pop(req_id, None)
         return False, None

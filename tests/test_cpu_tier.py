@@ -404,6 +404,42 @@ def test_a_request_whose_router_knows_the_tier_holds_none_of_it_asks_the_index_n
     conn.request_finished(req, [])
 
 
+def test_only_a_request_holding_pins_costs_the_index_an_unpin_when_it_ends(tier_scheduler: tuple[Any, Any]) -> None:
+    """A request told the tier holds none of it, or whose load has ended, holds no pins: its end
+    asks the index nothing (a Ray call from the engine core per request). One that ends
+    during its load releases the load's pins."""
+    conn, index = tier_scheduler
+    unpinned: list[str] = []
+    real_unpin = conn._unpin
+    conn._unpin = lambda req_id: (unpinned.append(req_id), real_unpin(req_id))
+    try:
+        from actors.kv_index import TIER_HINT
+
+        none = request("pinless", H[:3], {TIER_HINT: 0})
+        conn.on_new_request(none)
+        assert conn.get_num_new_matched_tokens(none, 0) == (0, False)
+        conn.update_state_after_alloc(none, SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), 0)
+        conn.request_finished(none, [10, 11, 12])
+        assert unpinned == []
+
+        loaded = arrived(conn, index, "load-ends")
+        assert conn.get_num_new_matched_tokens(loaded, 0) == (2 * BS, True)
+        conn.update_state_after_alloc(loaded, SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), 2 * BS)
+        conn.update_connector_output(SimpleNamespace(finished_recving={"load-ends"}))
+        conn.request_finished(loaded, [10, 11, 12])
+        assert unpinned == ["load-ends"]  # when its load ended, not again at its end
+
+        cut = arrived(conn, index, "ends-mid-load")
+        assert conn.get_num_new_matched_tokens(cut, 0) == (2 * BS, True)
+        conn.update_state_after_alloc(cut, SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), 2 * BS)
+        assert ray_get(index.get_stats.remote()).num_pinned > 0
+        conn.request_finished(cut, [10, 11, 12])
+        assert unpinned[-1] == "ends-mid-load" and ray_get(index.get_stats.remote()).num_pinned == 0
+    finally:
+        del conn._unpin
+        conn.build_connector_meta(SimpleNamespace())  # drop the planned loads
+
+
 def test_a_router_follows_the_tier_from_the_index_feed(tier_scheduler: tuple[Any, Any]) -> None:
     """The CacheView's TierView takes the index's answer, then every commit and eviction from
     its feed, with no call per request."""
