@@ -2,10 +2,9 @@
 the stores' host pools with one-sided NIXL transfers.
 
 Saves are synchronous, at the start of the step after the one that computed the blocks
-(``handle_preemptions``, before anything can overwrite them), so the WRITE does not delay
-the tokens of the step that computed them; their slots are requested from the index when
-the step's metadata is bound, before the forward pass, so the index round trip hides behind
-it and only the local NIXL WRITE is paid, in the next step. Loads are
+(``handle_preemptions``, before anything can overwrite them), so neither the index's slot
+grant (a Ray round trip) nor the NIXL WRITE delays the tokens of the step that computed
+them; both are paid in the next step. Loads are
 asynchronous: posted in ``start_load_kv`` and polled in ``get_finished``. Any failure (a
 dead store, a location outside its pool, a transfer error) marks the request's blocks as
 load errors, which vLLM recomputes.
@@ -43,9 +42,9 @@ from actors.nixl_agent import make_nixl_agent
 
 logger = logging.getLogger("tandem.cpu_tier")
 
-# How long a save waits for the slot grant asked for before the forward pass. The
-# answer is normally in by then (0.3-0.6 ms measured); a slower index costs one save, not a
-# stalled step, and the grant is given back when it arrives.
+# How long a save waits for its slot grant (a Ray round trip to the index, 0.3-0.6 ms
+# measured); a slower index costs one save and this much of one step, not a stalled engine,
+# and the grant is given back when it arrives.
 GRANT_WAIT_S = 0.02
 # How long a save waits for its WRITE (a healthy one of a step's blocks takes 1-2 ms).
 # Past it the WRITE is left running and later saves to that store are skipped until it ends,
@@ -307,8 +306,8 @@ class CpuTierWorker:
     # ---- saves ----
 
     def request_slots(self, hashes: list[bytes]) -> Any | None:
-        """Ask the index for store slots for these hashes without waiting (called before the
-        forward pass that computes the blocks); the answer goes to `save`. None: nothing to save."""
+        """Ask the index for store slots for these hashes without waiting; the answer goes to
+        `save`. None: nothing to save."""
         if self.store_id is None or not hashes or not self.slot_bytes:
             return None
         index = self._index()

@@ -187,9 +187,9 @@ def test_the_first_grant_brings_the_endpoint_of_the_store() -> None:
 
 
 def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
-    """The connector writes a step's blocks when the next step starts (handle_preemptions, in
-    every step, forward pass or not), not after the forward pass that computed them, where
-    the WRITE would delay that step's tokens."""
+    """The connector asks for slots and writes a step's blocks when the next step starts
+    (handle_preemptions, in every step, forward pass or not), not around the forward pass that
+    computed them, where the Ray call and the WRITE would delay that step's tokens."""
     from types import SimpleNamespace
 
     import msgspec
@@ -211,7 +211,7 @@ def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
     conn.handle_preemptions(TierMetadata())
     conn.bind_connector_metadata(TierMetadata(saves=[SaveJob([2, 3], [bytes([5]), bytes([6])])]))
     conn.wait_for_save()  # the forward pass that computed blocks 2 and 3 has ended
-    assert writes() == [] and commits(index) == []
+    assert writes() == [] and commits(index) == [] and index.allocate.calls == []  # not even a Ray call yet
     conn.clear_connector_metadata()
     conn.handle_preemptions(TierMetadata())  # the next step, before it can touch the KV cache
     (local,) = writes()
