@@ -422,7 +422,10 @@ class EngineActor:
             return None
         if request_id in self._streams:
             self._aborting.add(request_id)
-        await self.llm.abort(request_id)
+        if kv_transfer_params and kv_transfer_params.get("do_remote_decode"):
+            await self._abort_prefill(request_id)
+        else:
+            await self.llm.abort(request_id)
         if (stream_ended := self._streams.get(request_id)) is not None:
             # After an abort vLLM ends the stream at once, with its last output: the prefill's
             # answer when it had finished in the engine core just before.
@@ -430,6 +433,22 @@ class EngineActor:
                 await asyncio.wait_for(stream_ended.wait(), ABORT_DRAIN_S)
         handed_off = self._handed_off.pop(request_id, None)
         return handed_off[1] if handed_off is not None else None
+
+    async def _abort_prefill(self, request_id: str) -> None:
+        """Abort a prefill in vLLM without losing its answer. vLLM's abort forgets the request
+        in its front end first, so the last output of a prefill that finished in the engine
+        core just before (its kv_transfer_params: blocks held for a decode) is dropped when it
+        arrives, and the blocks stay held until NIXL's lease ends. Aborting in the core first,
+        then making a round trip to it, lets that output reach the request's stream before the
+        front end forgets the request: the core answers a utility call after every output it
+        produced before, on the same socket, and the front end hands outputs to their streams
+        in that order."""
+        core = self.llm.engine_core
+        in_core = list(self.llm.output_processor.external_req_ids.get(request_id, ()))
+        if in_core:
+            await core.abort_requests_async(in_core)
+            await core.call_utility_async("is_sleeping")
+        await self.llm.abort(request_id)
 
     async def release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
         """Tell the prefill engine named in `kv_transfer_params` that this decode engine will

@@ -11,7 +11,9 @@ strength with the restart counted. Timings (detection, recovery) are figures for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -439,6 +441,69 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
         return [out async for out in stream(decode.stream_address, req)]
 
     assert asyncio.run(late_decode()) == [], "a request aborted before it arrived must not run"
+    nothing_leaked(pd)
+
+
+def test_prefills_aborted_just_as_they_finish_hand_back_their_held_blocks(pd: Running) -> None:
+    """A client that leaves just as its prefill finishes in the engine core, while the answer
+    (kv_transfer_params) is still on its way to the engine's front end: vLLM's own abort drops
+    that answer, and the blocks it names stay held for NIXL's whole lease. The abort must hand
+    the answer back so that the router releases them through a decode engine. The aborts come
+    the router's way (orchestrator.router.stream_engine), on a staircase around the moment a
+    prefill's answer comes back from its abort: most land within a few ms of the window."""
+    from vllm.sampling_params import SamplingParams
+
+    from actors.protocol import EngineRequest
+    from actors.stream import EngineStreams
+    from orchestrator.router import stream_engine
+
+    engines = pd.deployment.routing_engines()
+    prefill = next(e for e in engines if e.role == "prefill")
+    decode = next(e for e in engines if e.role == "decode")
+    streams = EngineStreams()
+    released: set[str] = set()
+
+    def request(i: int) -> EngineRequest:  # a prompt of its own: no prefix cache hit shortens it
+        return EngineRequest(f"abort-at-finish-{i}", [20 + (k * 3 + i) % 400 for k in range(300)],
+                             SamplingParams(max_tokens=1, temperature=0), {"do_remote_decode": True})
+
+    async def release(kv_params: dict[str, Any]) -> None:
+        """What the router does with a held answer: the decode engine tells the prefill it is done."""
+        released.add(kv_params["remote_request_id"].rsplit("-", 1)[0])
+        await decode.handle.release_remote_kv.remote(f"{kv_params['remote_request_id']}-release", kv_params)
+
+    async def prefill_for(i: int, leave_after: float | None) -> bool:
+        """Whether the prefill finished: its answer reached this consumer, or its abort gave it back."""
+        async def consume() -> None:
+            async with contextlib.aclosing(stream_engine(streams, prefill, request(i), release)) as outs:
+                last = [out async for out in outs][-1]
+            await release(last.kv_transfer_params)  # no decode will come for it either
+
+        task = asyncio.create_task(consume())
+        done, _ = await asyncio.wait([task], timeout=leave_after)
+        if not done:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return request(i).request_id in released
+
+    async def main() -> int:
+        took = math.inf
+        for i in range(5):
+            start = time.perf_counter()
+            assert await prefill_for(i, None)
+            took = min(took, time.perf_counter() - start)
+        # Leave sooner after each prefill that finished, later after each aborted in time.
+        finished, leave_after = 0, took
+        for i in range(5, 85):
+            got = await prefill_for(i, leave_after)
+            finished += got
+            leave_after *= 0.97 if got else 1.03
+        streams.close()
+        return finished
+
+    finished = asyncio.run(main())
+    assert 0 < finished < 80, finished  # some were aborted in time, some had finished
     nothing_leaked(pd)
 
 
