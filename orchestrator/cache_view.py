@@ -293,12 +293,21 @@ class CacheView:
         return prompt.tier
 
     def tier_blocks(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
-        """How many of the prompt's blocks the CPU tier holds anywhere in it, for engine `ref`'s
-        tier lookup (TIER_HINT); None when the router does not know."""
+        """How many of the prompt's blocks the CPU tier holds past the run engine `ref` holds
+        itself, as its KV events last said (blocks merely expected there do not count), for the
+        engine's tier lookup (TIER_HINT); None when the router does not know. None past that run
+        means the lookup could only answer "nothing more": a chat's next turn, sent to the
+        engine holding its history, would wait for that answer on its way to the first token."""
         if self.tier is None or not self.tier.synced:
             return None
+        hashes, keys = prompt.for_engine(ref)
+        cache = self.caches.get(ref.engine_id)
+        local = 0
+        if cache is not None:
+            while local < len(keys) and keys[local] in cache.held:
+                local += 1
         held = self.tier.held
-        return sum(1 for h in prompt.for_engine(ref)[0] if h in held)
+        return sum(1 for h in hashes[local:] if h in held)
 
     async def close(self) -> None:
         tasks = [task for task, _ in self._tasks.values()]

@@ -583,7 +583,8 @@ def test_the_tier_counts_for_a_local_prefill_only_where_the_decode_engine_loads_
 
 def test_engines_hear_how_much_of_the_prompt_the_tier_holds_so_a_miss_skips_their_lookup() -> None:
     """The router follows the tier's index; each request tells an engine that loads from the
-    tier how many of its prompt's blocks the tier holds (0: the engine does not ask the index)."""
+    tier how many of its prompt's blocks the tier holds past the engine's own prefix cache
+    (0: the engine does not ask the index)."""
     from orchestrator.cache_view import CacheView
 
     held, fresh = SYSTEM, list(range(7000, 7000 + 4 * BLOCK))
@@ -592,6 +593,15 @@ def test_engines_hear_how_much_of_the_prompt_the_tier_holds_so_a_miss_skips_thei
         ref = msgspec.structs.replace(engine.ref("both"), loads_tier=True)
         serve_one(Router([ref], RoutingConfig(policy="kv_aware"), cache_view=CacheView(_Tier(held))), prompt, RequestTrace())
         assert engine.requests[-1].kv_transfer_params == {TIER_HINT: expected}
+    # An engine whose prefix cache the router follows (kv_aware has a choice of two) is told
+    # what the tier holds past what the engine holds itself: a chat's next turn on the engine
+    # holding its history asks the index nothing.
+    turn = held + list(range(9000, 9000 + 2 * BLOCK))
+    for engine_holds, expected in ((held[: 4 * BLOCK], 4), (held, 0)):
+        warm, cold = CachingEngine("warm", [engine_holds]), CachingEngine("cold")
+        refs = [msgspec.structs.replace(e.ref("both"), loads_tier=True) for e in (warm, cold)]
+        serve_one(Router(refs, RoutingConfig(policy="kv_aware"), cache_view=CacheView(_Tier(held))), turn, RequestTrace())
+        assert not cold.requests and warm.requests[-1].kv_transfer_params == {TIER_HINT: expected}
     # An engine that does not load from the tier is told nothing (the connector asks nothing).
     engine = CachingEngine("e")
     serve_one(Router([engine.ref("both")], RoutingConfig(policy="kv_aware"), cache_view=CacheView(_Tier(held))),
