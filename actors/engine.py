@@ -447,7 +447,9 @@ class EngineActor:
         in_core = list(self.llm.output_processor.external_req_ids.get(request_id, ()))
         if in_core:
             await core.abort_requests_async(in_core)
-            await core.call_utility_async("is_sleeping")
+            # A core that does not answer (dying) has no answer to hand over: abort all the same.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(core.call_utility_async("is_sleeping"), ABORT_DRAIN_S)
         await self.llm.abort(request_id)
 
     async def release_remote_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
