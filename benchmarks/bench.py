@@ -28,7 +28,7 @@ import msgspec
 
 from benchmarks import vllm_bench
 from benchmarks.ballast import ballast
-from benchmarks.report import write_bench_report
+from benchmarks.report import write_bench_report, write_vllm_client_report
 from benchmarks.direct import run_direct
 from benchmarks.faults import FaultPlan, FaultReport, run_fault
 from benchmarks.loadgen import RunResult, run_load, run_sweep, scrape_metrics
@@ -294,7 +294,7 @@ def run_vllm_client(opts: BenchOptions, out: Path) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     results = vllm_bench.run(base_config(opts), scenarios, runs, out, opts.address)
-    print(vllm_bench.write(results, out, _command(), scenarios))
+    print(write_vllm_client_report(results, out, _command(), scenarios))
     print(f"vLLM's result files and summary.md written to {out}/")
     return 0
 

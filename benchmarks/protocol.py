@@ -1,5 +1,6 @@
-"""What `tandem bench` was asked and what it found: the structs bench.json holds, shared by
-the runner (benchmarks.bench) and the report writer (benchmarks.report)."""
+"""What `tandem bench` was asked and what it found: the structs bench.json (and, under
+`--client vllm`, results.json) hold, shared by the runners (benchmarks.bench,
+benchmarks.vllm_bench) and the report writer (benchmarks.report)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import msgspec
 from benchmarks.faults import FaultReport
 from benchmarks.loadgen import RunResult
 from benchmarks.nixl_micro import KVGeometry, MicroResult
-from benchmarks.phases import KV_BYTES, KV_SECONDS, Overhead
+from benchmarks.phases import ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, KV_BYTES, KV_SECONDS, Overhead
 from benchmarks.scenarios import Scenario
 
 
@@ -95,3 +96,26 @@ class BenchReport(msgspec.Struct, frozen=True):
     micro: list[MicroResult] = []
     elapsed_s: float = 0.0
     faults: list[FaultReport] = []  # one per fault scenario, in the order run
+
+
+class ClientRun(msgspec.Struct, frozen=True):
+    """One load for vLLM's client (`vllm bench serve`): a label for the table and its arguments."""
+
+    label: str
+    args: list[str]
+
+
+class ClientResult(msgspec.Struct, frozen=True):
+    """One load of vLLM's client against one scenario (`tandem bench --client vllm`)."""
+
+    scenario: str
+    load: str  # the ClientRun's label
+    vllm: dict[str, object]  # vLLM's result file, as written
+    metrics: dict[str, float]  # the server's /metrics growth over the run (a vLLM server has engine TPOT only)
+
+    @property
+    def engine_tpot_ms(self) -> float | None:
+        """vLLM's own mean time per output token (engine-core timestamps): the client's TPOT
+        less this is what relaying each token to the client costs."""
+        count = sum(self.metrics.get(n, 0.0) for n in ENGINE_TPOT_COUNTS)
+        return 1000 * sum(self.metrics.get(n, 0.0) for n in ENGINE_TPOT_SUMS) / count if count else None

@@ -5,7 +5,8 @@ summary.md is what people read (and what the command prints): the results table,
 goes, what the HTTP path adds over calling the engines directly, KV transfer efficiency
 against raw NIXL, Tandem's colocated engine against a plain vLLM server when both ran, the
 routing policies side by side, and the fault scenarios' detection, recovery, lost requests
-and TTFT around the kill.
+and TTFT around the kill. Under `--client vllm` the same module writes vLLM's figures, each
+scenario against the plain vLLM server, and where the client's TTFT went.
 
 Plots are drawn on bare `matplotlib.figure.Figure` objects rather than through pyplot, so
 writing them needs no display and changes no global backend of the calling program.
@@ -37,8 +38,12 @@ from benchmarks.phases import (
     TIER_TOKENS,
     engine_first_token_ms,
     engine_tpot_ms,
+    requests_with_first_token,
+    router_phases_from_metrics,
+    ttft_phases,
 )
-from benchmarks.protocol import BenchReport, ScenarioReport
+from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport
+from benchmarks.scenarios import Scenario
 from benchmarks.server_cpu import ServerCpu
 from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, goodput_from_sweep
 
@@ -55,6 +60,10 @@ _LATENCIES = (  # summary field, panel title
     ("e2e_ms", "End-to-end latency"),
 )
 _PERCENTILE_STYLES = (("p50", "-", "o"), ("p90", "-.", "^"), ("p99", "--", "s"))
+# Where a prompt's tokens came from, as the vLLM-client table names them.
+TOKEN_SOURCES = {"engine-cache hits": CACHE_HIT_TOKENS, "CPU-tier loads": TIER_TOKENS, "computed": COMPUTED_TOKENS}
+# The scenario every other one is set against in the vLLM-client table, when it ran.
+VLLM_REFERENCE = "vllm-server"
 _EVENT_COLORS = ("C3", "C1", "C2", "C4", "C5")  # red, orange, green, ...: a fault, its detection, recovery
 
 
@@ -597,3 +606,54 @@ def write_bench_report(report: BenchReport, out: Path) -> Path:
     summary = out / "summary.md"
     summary.write_text(summary_markdown(report))
     return summary
+
+
+def vllm_client_table(results: list[ClientResult]) -> str:
+    """vLLM's figures, each set against the plain vLLM server's under the same load when it ran,
+    and where the prompt tokens came from (an engine-cache hit is counted on the prefill engine
+    and again on the decode engine, so the shares can pass 100%)."""
+    reference = {r.load: r.vllm for r in results if r.scenario == VLLM_REFERENCE}
+    rows = ["| scenario | load | completed / failed | TTFT p50 / p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
+            "| TPOT mean: client / engine (ms) "
+            f"| TTFT / TPOT p50 vs {VLLM_REFERENCE} | prompt tokens: " + " / ".join(TOKEN_SOURCES) + " | local prefills |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in results:
+        v, ref = r.vllm, reference.get(r.load)
+        ratio = (f"{v['median_ttft_ms'] / ref['median_ttft_ms']:.2f}x / {v['median_tpot_ms'] / ref['median_tpot_ms']:.2f}x"  # type: ignore[operator]
+                 if ref is not None and r.scenario != VLLM_REFERENCE else "")
+        total = float(v.get("total_input_tokens") or 1)  # type: ignore[arg-type]
+        shares = " / ".join(f"{r.metrics.get(n, 0.0) / total:.0%}" for n in TOKEN_SOURCES.values()) if COMPUTED_TOKENS in r.metrics else ""
+        engine = r.engine_tpot_ms
+        tpot = f"{v['mean_tpot_ms']:.1f} / {engine:.1f}" if engine is not None else f"{v['mean_tpot_ms']:.1f} / —"
+        local = f"{r.metrics[LOCAL_PREFILLS]:.0f}" if LOCAL_PREFILLS in r.metrics else ""
+        rows.append(f"| {r.scenario} | {r.load} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.1f} / "
+                    f"{v['p99_ttft_ms']:,.1f} | {v['median_tpot_ms']:.1f} | {v['median_itl_ms']:.1f} | {tpot} | {ratio} | {shares} | {local} |")
+    return "\n".join(rows)
+
+
+def vllm_client_budget(results: list[ClientResult], scenarios: list[Scenario]) -> str:
+    """Where the mean TTFT vLLM's client saw went, per Tandem scenario and load
+    (`benchmarks.phases.ttft_phases`: the router's phases and the engine cores' timestamps
+    from /metrics); empty without Tandem scenarios."""
+    by_name = {s.name: s for s in scenarios}
+    columns: dict[str, dict[str, float]] = {}  # ms
+    for r in results:
+        scenario, served = by_name.get(r.scenario), requests_with_first_token(r.metrics)
+        if scenario is None or not scenario.is_tandem or not served:
+            continue
+        mean_ttft_s = float(r.vllm["mean_ttft_ms"]) / 1000  # type: ignore[arg-type]
+        phases = ttft_phases(router_phases_from_metrics(r.metrics), r.metrics, scenario.kind == "disaggregated",
+                             mean_ttft_s, served)
+        columns[f"{r.scenario}, {r.load}"] = {p: 1000 * seconds for p, seconds in phases.items()}
+    return phases_markdown(columns, "= client's mean TTFT")
+
+
+def write_vllm_client_report(results: list[ClientResult], out: Path, command: str, scenarios: list[Scenario]) -> str:
+    """summary.md (the command, the table, the TTFT budget) and results.json in `out`; returns
+    the tables."""
+    text = vllm_client_table(results)
+    if budget := vllm_client_budget(results, scenarios):
+        text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
+    (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
+    (out / "results.json").write_bytes(msgspec.json.encode(results))
+    return text

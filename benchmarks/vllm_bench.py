@@ -28,14 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-
 from benchmarks.loadgen import scrape_metrics
-from benchmarks.phases import (CACHE_HIT_TOKENS, COMPUTED_TOKENS, ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, LOCAL_PREFILLS,
-                               TIER_TOKENS, metric_names, requests_with_first_token, router_phases_from_metrics,
-                               ttft_phases)
-from benchmarks.protocol import BenchOptions
-from benchmarks.report import phases_markdown
+from benchmarks.phases import ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, LOCAL_PREFILLS, metric_names
+from benchmarks.protocol import BenchOptions, ClientResult, ClientRun
+from benchmarks.report import TOKEN_SOURCES, write_vllm_client_report
 from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
@@ -50,30 +46,6 @@ CLIENT = (
     "add_cli_args(p)\n"
     "main(p.parse_args(sys.argv[1:]))\n"
 )
-SOURCES = {"engine-cache hits": CACHE_HIT_TOKENS, "CPU-tier loads": TIER_TOKENS, "computed": COMPUTED_TOKENS}
-# The scenario every other one is set against, when it ran.
-REFERENCE = "vllm-server"
-
-
-class ClientRun(msgspec.Struct, frozen=True):
-    """One load for vLLM's client: a label for the table and its arguments."""
-
-    label: str
-    args: list[str]
-
-
-class ScenarioResult(msgspec.Struct, frozen=True):
-    scenario: str
-    load: str  # the ClientRun's label
-    vllm: dict[str, object]  # vLLM's result file, as written
-    metrics: dict[str, float]  # the server's /metrics growth over the run (a vLLM server has engine TPOT only)
-
-    @property
-    def engine_tpot_ms(self) -> float | None:
-        """vLLM's own mean time per output token (engine-core timestamps): the client's TPOT
-        less this is what relaying each token to the client costs."""
-        count = sum(self.metrics.get(n, 0.0) for n in ENGINE_TPOT_COUNTS)
-        return 1000 * sum(self.metrics.get(n, 0.0) for n in ENGINE_TPOT_SUMS) / count if count else None
 
 
 def workload_runs(opts: BenchOptions) -> list[ClientRun]:
@@ -91,12 +63,12 @@ def workload_runs(opts: BenchOptions) -> list[ClientRun]:
 
 
 def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], out: Path,
-        address: str | None = None) -> list[ScenarioResult]:
+        address: str | None = None) -> list[ClientResult]:
     """Every run against every scenario, each scenario deployed once."""
     tokenizer = str(resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
     port = base.serve.port if address else free_ports(1)
-    names = list(dict.fromkeys([*SOURCES.values(), LOCAL_PREFILLS, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS, *metric_names()]))
+    names = list(dict.fromkeys([*TOKEN_SOURCES.values(), LOCAL_PREFILLS, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS, *metric_names()]))
     results = []
     with shared_ray(base, scenarios, address):
         for scenario in scenarios:
@@ -111,60 +83,9 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
                     subprocess.run(cmd, check=True)
                     after = asyncio.run(scrape_metrics(target.base_url, names))
                     grown = {n: after[n] - before.get(n, 0.0) for n in names if n in after}
-                    results.append(ScenarioResult(scenario.name, load.label,
+                    results.append(ClientResult(scenario.name, load.label,
                                                   json.loads((out / result_file).read_text()), grown))
     return results
-
-
-def table(results: list[ScenarioResult]) -> str:
-    """vLLM's figures, each set against the plain vLLM server's under the same load when it ran,
-    and where the prompt tokens came from (an engine-cache hit is counted on the prefill engine
-    and again on the decode engine, so the shares can pass 100%)."""
-    reference = {r.load: r.vllm for r in results if r.scenario == REFERENCE}
-    rows = ["| scenario | load | completed / failed | TTFT p50 / p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
-            "| TPOT mean: client / engine (ms) "
-            f"| TTFT / TPOT p50 vs {REFERENCE} | prompt tokens: " + " / ".join(SOURCES) + " | local prefills |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
-    for r in results:
-        v, ref = r.vllm, reference.get(r.load)
-        ratio = (f"{v['median_ttft_ms'] / ref['median_ttft_ms']:.2f}x / {v['median_tpot_ms'] / ref['median_tpot_ms']:.2f}x"  # type: ignore[operator]
-                 if ref is not None and r.scenario != REFERENCE else "")
-        total = float(v.get("total_input_tokens") or 1)  # type: ignore[arg-type]
-        shares = " / ".join(f"{r.metrics.get(n, 0.0) / total:.0%}" for n in SOURCES.values()) if COMPUTED_TOKENS in r.metrics else ""
-        engine = r.engine_tpot_ms
-        tpot = f"{v['mean_tpot_ms']:.1f} / {engine:.1f}" if engine is not None else f"{v['mean_tpot_ms']:.1f} / —"
-        local = f"{r.metrics[LOCAL_PREFILLS]:.0f}" if LOCAL_PREFILLS in r.metrics else ""
-        rows.append(f"| {r.scenario} | {r.load} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.1f} / "
-                    f"{v['p99_ttft_ms']:,.1f} | {v['median_tpot_ms']:.1f} | {v['median_itl_ms']:.1f} | {tpot} | {ratio} | {shares} | {local} |")
-    return "\n".join(rows)
-
-
-def budget_table(results: list[ScenarioResult], scenarios: list[Scenario]) -> str:
-    """Where the mean TTFT vLLM's client saw went, per Tandem scenario and load
-    (`benchmarks.phases.ttft_phases`: the router's phases and the engine cores' timestamps
-    from /metrics); empty without Tandem scenarios."""
-    by_name = {s.name: s for s in scenarios}
-    columns: dict[str, dict[str, float]] = {}  # ms
-    for r in results:
-        scenario, served = by_name.get(r.scenario), requests_with_first_token(r.metrics)
-        if scenario is None or not scenario.is_tandem or not served:
-            continue
-        mean_ttft_s = float(r.vllm["mean_ttft_ms"]) / 1000  # type: ignore[arg-type]
-        phases = ttft_phases(router_phases_from_metrics(r.metrics), r.metrics, scenario.kind == "disaggregated",
-                             mean_ttft_s, served)
-        columns[f"{r.scenario}, {r.load}"] = {p: 1000 * seconds for p, seconds in phases.items()}
-    return phases_markdown(columns, "= client's mean TTFT")
-
-
-def write(results: list[ScenarioResult], out: Path, command: str, scenarios: list[Scenario]) -> str:
-    """summary.md (the command, the table, the TTFT budget) and results.json in `out`; returns
-    the tables."""
-    text = table(results)
-    if budget := budget_table(results, scenarios):
-        text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
-    (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
-    (out / "results.json").write_bytes(msgspec.json.encode(results))
-    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     scenarios = parse_scenarios(args.scenarios)
     results = run(load_config(args.config), scenarios, [ClientRun("as given", client_args)], out)
-    print(write(results, out, " ".join(["python -m benchmarks.vllm_bench", *argv]), scenarios))
+    print(write_vllm_client_report(results, out, " ".join(["python -m benchmarks.vllm_bench", *argv]), scenarios))
     return 0
 
 

@@ -523,32 +523,34 @@ def test_the_vllm_client_runs_the_bench_workload_with_arguments_vllm_accepts() -
 
 def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> None:
     from benchmarks.phases import LOCAL_PREFILLS
-    from benchmarks.vllm_bench import SOURCES, ScenarioResult, table
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import TOKEN_SOURCES, vllm_client_table
 
     def figures(ttft: float, tpot: float) -> dict[str, object]:
         return {"completed": 40, "failed": 0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": tpot,
                 "mean_tpot_ms": tpot + 1, "median_itl_ms": tpot, "total_input_tokens": 1000}
 
     vllm_tpot = {"vllm:request_time_per_output_token_seconds_sum": 0.16, "vllm:request_time_per_output_token_seconds_count": 40}
-    grown = {n: 500.0 for n in SOURCES.values()} | {LOCAL_PREFILLS: 3.0, "tandem_engine_tpot_seconds_total": 0.2,
+    grown = {n: 500.0 for n in TOKEN_SOURCES.values()} | {LOCAL_PREFILLS: 3.0, "tandem_engine_tpot_seconds_total": 0.2,
                                                     "tandem_engine_decoded_requests_total": 40}
-    text = table([ScenarioResult("vllm-server", "2 req/s", figures(50.0, 5.0), vllm_tpot),
-                  ScenarioResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
+    text = vllm_client_table([ClientResult("vllm-server", "2 req/s", figures(50.0, 5.0), vllm_tpot),
+                  ClientResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
     assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 | 6.0 / 4.0 |  |  |  |" in text
     assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 7.0 / 5.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
 
 
 def test_the_vllm_client_ttft_budget_adds_up_to_the_clients_mean_ttft() -> None:
-    from benchmarks.vllm_bench import ScenarioResult, budget_table
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import vllm_client_budget
 
     (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
     grown = {router_phase("prefill", "sum"): 4 * 0.030, router_phase("route", "sum"): 4 * 0.001,
              router_phase("first_token", "sum"): 4 * 0.019, router_phase("first_token", "count"): 4,
              pq: 0.004, pt: 4, engine_compute("prefill"): 0.08, dq: 0.04, dt: 4, engine_compute("decode"): 0.02,
              KV_SECONDS: 0.012, KV_TRANSFERS: 4}
-    results = [ScenarioResult("vllm-server", "1 req/s", {"mean_ttft_ms": 12.0}, {}),
-               ScenarioResult("1p1d", "1 req/s", {"mean_ttft_ms": 55.0}, grown)]
-    text = budget_table(results, parse_scenarios("1p1d,vllm-server"))
+    results = [ClientResult("vllm-server", "1 req/s", {"mean_ttft_ms": 12.0}, {}),
+               ClientResult("1p1d", "1 req/s", {"mean_ttft_ms": 55.0}, grown)]
+    text = vllm_client_budget(results, parse_scenarios("1p1d,vllm-server"))
     assert text.splitlines()[0] == "| Phase (mean ms) | 1p1d, 1 req/s |"  # no column for the plain server
     assert "| HTTP + ingress | 5.0 |" in text and "| prefill: relay | 9.0 |" in text and "| KV transfer | 3.0 |" in text
     assert "| decode: waiting for the KV | 7.0 |" in text and "| decode: relay | 5.0 |" in text
