@@ -139,7 +139,10 @@ class _TextMaker:
 
     def _exact_tokens(self, length: int) -> str:
         # Random ids rarely survive decode -> encode unchanged (merges across boundaries),
-        # so re-encode and pad or trim until the round trip has the target length.
+        # so re-encode and pad or trim until the round trip has the target length. vLLM's
+        # `gen_prompt_decode_to_target_len` does this but pads with any vocabulary id, special
+        # and byte-fragment ones included, and then misses the length (tried: the tiny model's
+        # prompts missed their lengths in test_bench_workloads); here padding is clean ids only.
         tok = self._tokenizer
         ids = self._rng.choice(self._allowed, size=length).tolist()
         for _ in range(_MAX_LENGTH_FIXES):
