@@ -134,7 +134,7 @@ def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) 
         t.bucket_counts[idx] += 1
 
 
-def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s: float = 1.0) -> None:
+def _observe_connector_stats(stats: EngineStats, payload: dict[str, Any], slow_s: float) -> None:
     """Fold a scheduler_stats.kv_connector_stats payload into the engine's stats. Tandem's
     engines send one of two: TandemMultiConnector's StatsPayload (per-child counters, plus its
     NIXL children's transfer records, which count as if NixlConnector ran alone), or
@@ -274,9 +274,6 @@ class EngineActor:
         hash_algo, hash_seed = hash_settings(spec.engine_args)
         # Routers send requests and read outputs over this socket (actors.stream), not Ray calls.
         self.stream = StreamServer(ray.util.get_node_ip_address(), spec.stream_port)
-        side = None
-        if kv_transfer is not None:
-            side = f"{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_HOST')}:{os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')}"
         self._info = EngineInfo(
             engine_id=spec.engine_id,
             role=spec.role,
@@ -287,7 +284,6 @@ class EngineActor:
             child_pids=[p.pid for p in psutil.Process().children(recursive=True)],
             max_model_len=vcfg.model_config.max_model_len,
             block_size=vcfg.cache_config.block_size,
-            side_channel=side,
             cores=spec.cores,
             cpu_binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             niceness=os.getpriority(os.PRIO_PROCESS, 0),

@@ -8,8 +8,8 @@ log by long-poll (EngineActor.cache_updates), so every ingress replica derives t
 from the same events and a restarted engine (a new incarnation) starts from an empty one.
 
 A block key is vLLM's block hash reduced to 64 bits, exactly as vLLM publishes it by default
-(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); `block_keys` computes the same keys from a prompt's
-tokens with vLLM's own hash function, so a router can ask "how much of this prompt does that
+(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); `PrefixHasher` and `as_key` compute the same keys from a
+prompt's tokens with vLLM's own hash function, so a router can ask "how much of this prompt does that
 engine hold" without a call to the engine.
 """
 
@@ -50,7 +50,7 @@ class PrefixHasher:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
-        self.algo, self.seed, self.block_size = algo, seed, block_size
+        self.block_size = block_size
         self._fn = get_hash_fn_by_name(algo)
         self._hash_block = hash_block_tokens
         self._none_hash: bytes = self._fn(seed)
@@ -88,8 +88,8 @@ class KVEventFollower:
 
     A thread receives and applies the events; async callers wait for changes with
     `wait_changed`. A gap in vLLM's sequence numbers (events dropped at the ZMQ high-water
-    mark) is logged and counted in `missed`; the view then stays approximate until the
-    evicted or stored blocks are seen again.
+    mark) is logged as a WARNING; the view then stays approximate until the evicted or stored
+    blocks are seen again.
     """
 
     def __init__(self, endpoint: str) -> None:
@@ -98,7 +98,6 @@ class KVEventFollower:
         self.endpoint = endpoint
         self.held: set[int] = set()
         self.version = 0
-        self.missed = 0
         self.log: deque[CacheDelta] = deque(maxlen=MAX_LOG)
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -122,7 +121,6 @@ class KVEventFollower:
                 _topic, seq_bytes, payload = self._sock.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if last_seq >= 0 and seq > last_seq + 1:
-                    self.missed += seq - last_seq - 1
                     logger.warning("lost %d KV-event batches from %s; the prefix view is approximate until "
                                    "those blocks are seen again", seq - last_seq - 1, self.endpoint)
                 last_seq = seq

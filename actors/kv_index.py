@@ -71,7 +71,6 @@ class StoreEndpoint(msgspec.Struct, frozen=True):
     node_id: str
     # Changes on every (re)start of the store actor; slots of another incarnation are void.
     incarnation: str
-    agent_name: str
     agent_metadata: bytes
     base_addr: int
     pool_bytes: int

@@ -52,18 +52,13 @@ class TierSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoreStats(msgspec.Struct, frozen=True):
+    """Which process and incarnation serve a store (what a fault drill kills), and its size."""
+
     store_id: str
     incarnation: str
     pid: int
     # Bytes of the registered pool (fixed at start; the store never grows it).
     pool_bytes: int
-    # Resident set size of the store process.
-    rss_bytes: int
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -81,7 +76,6 @@ class KVStoreActor:
             store_id=store_id,
             node_id=ray.get_runtime_context().get_node_id(),
             incarnation=self.incarnation,
-            agent_name=self.agent.name,
             agent_metadata=self.agent.get_agent_metadata(),
             base_addr=self.pool.ctypes.data,
             pool_bytes=pool_bytes,
@@ -99,5 +93,5 @@ class KVStoreActor:
         return self.endpoint
 
     def stats(self) -> StoreStats:
-        return StoreStats(self.store_id, self.incarnation, os.getpid(), self.pool.nbytes, _rss_bytes())
+        return StoreStats(self.store_id, self.incarnation, os.getpid(), self.pool.nbytes)
 

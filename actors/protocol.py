@@ -62,7 +62,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     child_pids: list[int]
     max_model_len: int
     block_size: int
-    side_channel: str | None
     # Cores every process of the engine may run on (None: unbound), and the subset its
     # OpenMP compute threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
     cores: list[int] | None

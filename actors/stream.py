@@ -3,7 +3,7 @@ per router and engine instead of Ray calls.
 
 A Ray streaming call costs a Ray message to start and one per streamed item, each through
 Ray's core worker threads on both sides; on a 2-core host whose engines busy-wait between
-steps that was 2-3 ms each way per engine leg (docs/performance.md, "The token path"). vLLM's
+steps that was 2-3 ms each way per engine leg (docs/performance.md, "The token path off Ray"). vLLM's
 own front end talks to its engine core over ZMQ for the same reason. Here the engine actor
 binds a ROUTER socket on its node's IP (`StreamServer`), every router process keeps one DEALER
 socket per engine incarnation (`StreamClient`, gathered in `EngineStreams`), and requests and

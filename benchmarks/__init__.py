@@ -37,7 +37,7 @@ Typical use from a scenario script::
     requests = RandomWorkload(Fixed(512), Fixed(128)).sample(220, seed=0, tokenizer=tok)
     result = await run_load("http://127.0.0.1:8000", "tiny", requests, rate=4.0, warmup=20,
                             slo=SLO(ttft_ms=500, tpot_ms=100), label="1P1D",
-                            metric_names=["tandem_kv_bytes_total"])
+                            metric_names=["tandem_kv_transfer_bytes_total"])
     result.summary.ttft_ms.p99, result.summary.slo_attainment, result.summary.server_metrics
 """
 

@@ -120,7 +120,7 @@ async def run_direct(
         try:
             results, elapsed, host_cpu, server_cpu = await measure(sender, requests, schedule, duration_s, cpu_meter)
         finally:
-            router.close()
+            await router.close()
         after = await scrape_metrics(metrics_url, metric_names) if metric_names else {}
     summary = summarize(results, elapsed, slo, metric_deltas(before, after))
     return RunResult(config=config, environment=env, summary=summary, requests=results, host_cpu=host_cpu, server_cpu=server_cpu), sender.traces

@@ -154,13 +154,11 @@ def standard_sizes(geometry: KVGeometry, prompt_tokens: int) -> list[tuple[str, 
     return [("1 block", 1), (f"{prompt_tokens}-token prompt", geometry.num_blocks(prompt_tokens)), ("16 MiB", big)]
 
 
-def markdown(results: Sequence[MicroResult], serving_gib_s: float | None = None) -> str:
-    """A table of the raw figures, with serving's achieved rate as a last row when known."""
+def markdown(results: Sequence[MicroResult]) -> str:
+    """A table of the raw figures."""
     lines = ["| Transfer | Blocks | Bytes | Descriptors | Median (ms) | p90 (ms) | GiB/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         lines.append(f"| raw NIXL READ, {r.label} | {r.num_blocks} | {r.num_bytes:,} | {r.num_descs} | {1000 * r.median_s:.3f} | {1000 * r.p90_s:.3f} | {r.gib_per_s:.2f} |")
-    if serving_gib_s is not None:
-        lines.append(f"| Tandem serving (KV bytes / transfer seconds) | | | | | | {serving_gib_s:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ import msgspec
 from benchmarks.faults import FaultReport
 from benchmarks.loadgen import RunResult
 from benchmarks.nixl_micro import KVGeometry, MicroResult
-from benchmarks.phases import ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, KV_BYTES, KV_SECONDS, Overhead
+from benchmarks.phases import ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, KV_BYTES, KV_SECONDS, Overhead, kv_rate_gib_s
 from benchmarks.scenarios import Scenario
 
 
@@ -84,8 +84,7 @@ class ScenarioReport(msgspec.Struct, frozen=True):
 
     @property
     def kv_gib_s(self) -> float | None:
-        seconds = self.kv_total(KV_SECONDS)
-        return self.kv_total(KV_BYTES) / seconds / 2**30 if seconds else None
+        return kv_rate_gib_s({name: self.kv_total(name) for name in (KV_BYTES, KV_SECONDS)})
 
 
 class BenchReport(msgspec.Struct, frozen=True):

@@ -67,10 +67,8 @@ VLLM_REFERENCE = "vllm-server"
 _EVENT_COLORS = ("C3", "C1", "C2", "C4", "C5")  # red, orange, green, ...: a fault, its detection, recovery
 
 
-def save_json(result: RunResult, path: str | Path, include_requests: bool = True) -> Path:
-    """Write one run as indented JSON; without requests it keeps only config and figures."""
-    if not include_requests:
-        result = msgspec.structs.replace(result, requests=[])
+def save_json(result: RunResult, path: str | Path) -> Path:
+    """Write one run, every request included, as indented JSON."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2))

@@ -252,7 +252,6 @@ class DatasetRecord(msgspec.Struct, frozen=True):
 
     prompt: str
     output_len: int
-    category: str = ""
 
 
 def load_dataset(path: str | Path = DEFAULT_DATASET) -> list[DatasetRecord]:

@@ -46,6 +46,39 @@ def _replica_families(app: str, status: DeploymentStatus | None) -> Iterable[Met
     return [manager, up, state, restarts, outstanding, healthy]
 
 
+# TierStatus field -> (metric, help) of the CPU tier's families; gauges first, then counters.
+_TIER_GAUGES = {
+    "blocks": ("tandem_cpu_tier_blocks", "Blocks the CPU tier holds"),
+    "capacity": ("tandem_cpu_tier_capacity_blocks", "Blocks the CPU tier's stores have room for"),
+    "pinned": ("tandem_cpu_tier_pinned_blocks", "Held blocks pinned by a lookup whose load has not ended"),
+    "open_grants": ("tandem_cpu_tier_open_grants", "Slot grants for saves not yet written"),
+}
+_TIER_COUNTERS = {
+    "lookups": ("tandem_cpu_tier_lookups", "Prefix lookups the CPU tier's index answered"),
+    "hit_blocks": ("tandem_cpu_tier_hit_blocks", "Blocks the index's lookups found"),
+    "saved_blocks": ("tandem_cpu_tier_saved_blocks", "Blocks saved into the CPU tier"),
+    "evicted_blocks": ("tandem_cpu_tier_evicted_blocks", "Blocks evicted from a full store (least recently used first)"),
+    "forgotten_blocks": ("tandem_cpu_tier_forgotten_blocks", "Blocks lost with a store that died or restarted"),
+    "expired_pins": ("tandem_cpu_tier_expired_pins", "Lookup pins reclaimed by their lease: nobody released them"),
+    "expired_grants": ("tandem_cpu_tier_expired_grants", "Slot grants reclaimed by their lease: the save never committed"),
+}
+
+
+def _tier_families(app: str, status: DeploymentStatus | None) -> Iterable[Metric]:
+    """The CPU tier's fill and its index's counts (they restart from 0 with the index);
+    nothing when the tier is off or its index did not answer this scrape."""
+    tier = status.cpu_tier if status is not None else None
+    if tier is None:
+        return []
+    families: list[Metric] = []
+    for kind, fields in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
+        for field, (name, doc) in fields.items():
+            family = kind(name, doc, labels=["app"])
+            family.add_metric([app], getattr(tier, field))
+            families.append(family)
+    return families
+
+
 def _counted(name: str, doc: str, app: str, label: str, counts: dict[str, int]) -> Metric:
     family = CounterMetricFamily(name, doc, labels=["app", label])
     for value, n in counts.items():
@@ -149,6 +182,7 @@ class _ScrapeCollector:
     def collect(self) -> Iterable[Metric]:
         yield from _engine_families(self.app, self.stats, self.outstanding)
         yield from _replica_families(self.app, self.status)
+        yield from _tier_families(self.app, self.status)
         yield from _router_families(self.app, self.router)
 
 

@@ -99,11 +99,6 @@ def omp_binding(mine: list[int], tp: int) -> str:
     return "|".join(",".join(map(str, _share(usable, tp, r))) for r in range(tp))
 
 
-def split_cores(cores: list[int], num_engines: int, index: int, tp: int) -> str:
-    """The VLLM_CPU_OMP_THREADS_BIND of engine `index` of `num_engines` sharing `cores`."""
-    return omp_binding(engine_cores(cores, num_engines, index), tp)
-
-
 def assign_slots(
     replica_nodes: list[str],
     tp_sizes: list[int],

@@ -149,6 +149,9 @@ class Replica:
             incarnation=self.info.incarnation if self.info else None,
             last_error=self.last_error,
             missed_checks=self.missed_checks,
+            child_pids=self.info.child_pids if live else [],
+            cores=self.info.cores if live else None,
+            cpu_binding=self.info.cpu_binding if live else None,
         )
 
 
@@ -425,7 +428,7 @@ class PoolManager:
         except Exception as err:
             return f"handshake pre-warm {p.engine_id} -> {d.engine_id} failed: {_first_line(err)}"
         finally:
-            router.close()
+            await router.close()
         if trace.fallback:
             return (
                 f"handshake pre-warm {p.engine_id} -> {d.engine_id} failed ({trace.fallback}); check the "
@@ -620,9 +623,6 @@ class PoolManager:
             pools.append(PoolStatus(pool_role(role), pool.min_size, pool.max_size, [r.status() for r in replicas]))  # type: ignore[arg-type]
         tier = await self.tier.status() if self.tier is not None else None
         return DeploymentStatus(self.app, pools, tier)
-
-    def infos(self) -> list[EngineInfo]:
-        return [r.info for r in self.replicas.values() if r.info is not None]
 
     def tier_actors(self) -> tuple[Any, dict[str, Any]]:
         """The tier's index and stores by node id (tests and benchmarks read them)."""

@@ -68,6 +68,12 @@ class ReplicaStatus(msgspec.Struct, frozen=True):
     last_error: str | None = None
     # Health checks that went unanswered (each is confirmed by a second before a restart).
     missed_checks: int = 0
+    # The live process's vLLM children (engine core, workers: what a profiler attaches to),
+    # the cores its processes may run on (None: unbound) and the subset its OpenMP compute
+    # threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+    child_pids: list[int] = []
+    cores: list[int] | None = None
+    cpu_binding: str | None = None
 
 
 class PoolStatus(msgspec.Struct, frozen=True):
@@ -91,6 +97,16 @@ class TierStatus(msgspec.Struct, frozen=True):
     open_grants: int
     # store id -> [blocks held, capacity in slots]
     stores: dict[str, tuple[int, int]]
+    # Counts since the index (re)started: lookups, the blocks they found, blocks saved, blocks
+    # evicted for room, blocks lost with a store that died or restarted, and pins and slot
+    # grants reclaimed by their lease because nobody released them (an engine died mid-way).
+    lookups: int = 0
+    hit_blocks: int = 0
+    saved_blocks: int = 0
+    evicted_blocks: int = 0
+    forgotten_blocks: int = 0
+    expired_pins: int = 0
+    expired_grants: int = 0
 
 
 class DeploymentStatus(msgspec.Struct, frozen=True):

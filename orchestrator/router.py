@@ -210,8 +210,6 @@ class EnginePicker:
 class RequestTrace(msgspec.Struct):
     """What happened to one request, for usage accounting and /metrics."""
 
-    prefill_engine: str | None = None
-    decode_engine: str | None = None
     # Prompt tokens the prefilling engine found in its own prefix cache.
     num_cached_tokens: int = 0
     # Disaggregated requests: prefilled on the prefill pool ("remote") or on the decode
@@ -221,9 +219,7 @@ class RequestTrace(msgspec.Struct):
     # "no_kv_params", "no_prefill_engine" (the decode engine prefilled), "no_decode_engine"
     # (a prefill engine served the whole request).
     fallback: str | None = None
-    # Prefill attempts that failed before one answered (or the fallback), and times the
-    # request moved to another engine mid-stream.
-    prefill_retries: int = 0
+    # Times the request moved to another engine mid-stream.
     migrations: int = 0
     t_arrival: float = 0.0
     t_prefill_done: float | None = None
@@ -302,9 +298,9 @@ class Router:
         self.routing = routing
         self.stream_batch_s = stream_batch_s
         self.report_failure = report_failure
-        if cache_view is None and needs_cache_view(routing):
-            cache_view = CacheView()
-        self.cache = cache_view
+        # A view made here is this router's to close; a given one is its owner's.
+        self._owns_cache = cache_view is None and needs_cache_view(routing)
+        self.cache = CacheView() if self._owns_cache else cache_view
         self.disaggregated = any(e.role == "prefill" for e in engines) if disaggregated is None else disaggregated
         roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("both",)
         self.pools: dict[str, EnginePicker] = {role: EnginePicker([], routing.policy) for role in roles}
@@ -335,9 +331,12 @@ class Router:
         return self.routing.disaggregation == "conditional" or (
             self.routing.policy == "kv_aware" and len(picker.engines) > 1)
 
-    def close(self) -> None:
-        """Close the token paths (a router that served for a while only: the handshake pre-warm's)."""
+    async def close(self) -> None:
+        """Close the token paths, and stop following the engines' caches if this router made
+        its view (a router that served for a while only: the handshake pre-warm's, a bench's)."""
         self.streams.close()
+        if self._owns_cache and self.cache is not None:
+            await self.cache.close()
 
     @property
     def engines(self) -> list[EngineRef]:
@@ -543,7 +542,7 @@ class Router:
     # ---- prefill ----
 
     async def _prefill(
-        self, request: EngineRequest, trace: RequestTrace, pinned: EngineRef | None, prompt: PromptKeys | None = None
+        self, request: EngineRequest, trace: RequestTrace, pinned: EngineRef | None, prompt: PromptKeys | None
     ) -> dict[str, Any] | None:
         """Run step 1 of the protocol, retrying on other replicas; None means the decode
         engine must prefill itself (trace.fallback says why)."""
@@ -558,7 +557,6 @@ class Router:
                     break
                 work = self._claim(engine, prompt)
                 tried.add(engine.engine_id)
-                trace.prefill_engine = engine.engine_id
                 picker.acquire(engine, work)
                 try:
                     last = await asyncio.wait_for(
@@ -584,7 +582,6 @@ class Router:
                 finally:
                     picker.release(engine, work)
                 if attempt + 1 < attempts:
-                    trace.prefill_retries += 1
                     _count(self.stats.retries, reason)
         finally:
             trace.t_prefill_done = time.perf_counter()
@@ -640,8 +637,8 @@ class Router:
         trace: RequestTrace,
         kv_params: dict[str, Any] | None,
         pinned: EngineRef | None,
-        first: EngineRef | None = None,
-        prompt: PromptKeys | None = None,
+        first: EngineRef | None,
+        prompt: PromptKeys | None,
     ) -> AsyncIterator[Any]:
         """Stream the output from a decode (or colocated) engine (`first` when already
         chosen), moving to another engine when it fails, from the prompt plus the tokens
@@ -672,7 +669,6 @@ class Router:
                 # The text of a resumed prompt is not the client's prompt: vLLM works from the ids.
                 prompt_fields={k: v for k, v in request.prompt_fields.items() if k != "prompt"} if resumed else request.prompt_fields,
             )
-            trace.decode_engine = engine.engine_id
             if trace.t_decode_sent is None:
                 trace.t_decode_sent = time.perf_counter()
             serving, picker, serving_work = engine, self.pools[engine.role], work

@@ -97,6 +97,13 @@ class CpuTier:
             pinned=stats.num_pinned,
             open_grants=stats.num_open_grants,
             stores=stores,
+            lookups=stats.num_lookups,
+            hit_blocks=stats.num_hit_blocks,
+            saved_blocks=stats.num_saved_blocks,
+            evicted_blocks=stats.num_evicted_blocks,
+            forgotten_blocks=stats.num_forgotten_blocks,
+            expired_pins=stats.num_expired_pins,
+            expired_grants=stats.num_expired_grants,
         )
 
     def stop(self) -> None:

@@ -146,7 +146,7 @@ def test_evicted_blocks_leave_the_view(pd: Running) -> None:
         for seed in range(10, 16):  # 6 x 10 blocks through a 40-block cache
             await send(prompt(seed, 320))
         gone = await cached_on_prefill()
-        await router.cache.close()
+        await router.close()
         return held, gone
 
     held, gone = asyncio.run(asyncio.wait_for(go(), timeout=300))

@@ -20,7 +20,7 @@ SLOT = 1024
 
 
 def endpoint(store_id: str = "s0", slots: int = 4, incarnation: str = "i0") -> StoreEndpoint:
-    return StoreEndpoint(store_id, f"node-{store_id}", incarnation, f"agent-{store_id}", b"", 0, slots * SLOT)
+    return StoreEndpoint(store_id, f"node-{store_id}", incarnation, b"", 0, slots * SLOT)
 
 
 def index_with(*stores: StoreEndpoint) -> KVIndex:

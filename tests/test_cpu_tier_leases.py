@@ -27,7 +27,7 @@ class Clock:
 
 def index_with(clock: Clock, slots: int = 2, hold_grants_s: float = 0.0) -> KVIndex:
     index = KVIndex(clock=clock, hold_grants_s=hold_grants_s)
-    index.register_store(StoreEndpoint("s0", "node", "i0", "agent", b"", 0, slots * SLOT))
+    index.register_store(StoreEndpoint("s0", "node", "i0", b"", 0, slots * SLOT))
     index.set_slot_bytes(SLOT)
     return index
 
@@ -116,7 +116,7 @@ def test_a_lapsed_pin_never_unpins_a_block_saved_again_under_its_hash() -> None:
     index = index_with(Clock())
     saved(index, [H[0]])
     index.lookup("a@1/r1", [H[0]])
-    index.register_store(StoreEndpoint("s0", "node", "i1", "agent", b"", 0, 2 * SLOT))
+    index.register_store(StoreEndpoint("s0", "node", "i1", b"", 0, 2 * SLOT))
     saved(index, [H[0]])
     index.lookup("b@1/r1", [H[0]])
     index.unpin("a@1/r1")
@@ -145,7 +145,7 @@ def test_grant_ids_differ_across_index_lives() -> None:
 
 def test_allocate_sizes_the_stores_of_an_index_that_restarted_empty() -> None:
     index = KVIndex()
-    index.register_store(StoreEndpoint("s0", "node", "i0", "agent", b"", 0, 4 * SLOT))
+    index.register_store(StoreEndpoint("s0", "node", "i0", b"", 0, 4 * SLOT))
     grant = index.allocate("s0", [H[0]], "a@1", slot_bytes=SLOT)
     assert grant is not None and grant.hashes == [H[0]] and index.capacity("s0") == 4
 
@@ -154,7 +154,7 @@ def test_registering_the_known_incarnation_again_keeps_its_blocks() -> None:
     """A store and a restarted index may both announce the same incarnation."""
     index = index_with(Clock())
     saved(index, [H[0]])
-    index.register_store(StoreEndpoint("s0", "node", "i0", "agent", b"", 0, 2 * SLOT))
+    index.register_store(StoreEndpoint("s0", "node", "i0", b"", 0, 2 * SLOT))
     assert index.contains(H[0])
 
 
@@ -175,7 +175,7 @@ def test_a_forgotten_store_brings_no_quarantined_slot_back() -> None:
     index.allocate("s0", [H[0]], "a@1")
     index.release_owner("a@1")  # slot 0 in quarantine
     index.forget_store("s0")
-    index.register_store(StoreEndpoint("s0", "node", "i0", "agent", b"", 0, SLOT))
+    index.register_store(StoreEndpoint("s0", "node", "i0", b"", 0, SLOT))
     clock.now += SLOT_QUARANTINE_S
     assert index.allocate("s0", [H[1]], "b@1").slots == [0]  # type: ignore[union-attr]
     assert index.allocate("s0", [H[2]], "b@1").hashes == []  # type: ignore[union-attr]  # slot 0 granted once

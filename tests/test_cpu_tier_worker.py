@@ -21,7 +21,7 @@ from connectors.offload_worker import GRANT_WAIT_S, STUCK_TRANSFER_S, WRITE_TIME
 NUM_BLOCKS = 8
 PAGE = 64  # bytes of one block of one layer; two layers, so a slot is 128 bytes
 SLOT = 2 * PAGE
-STORE = StoreEndpoint("s0", "node", "i0", "store-agent", b"store-agent", 0x10000, 16 * SLOT)
+STORE = StoreEndpoint("s0", "node", "i0", b"store-agent", 0x10000, 16 * SLOT)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -295,7 +295,7 @@ def test_a_load_ends_only_when_every_transfer_of_it_has_ended() -> None:
     """One READ failed, another still writes the request's blocks: vLLM must not recompute
     into them yet."""
     index, agent = FakeIndex(), FakeAgent()
-    other = StoreEndpoint("s1", "node", "i9", "other-agent", b"other-agent", 0x90000, 16 * SLOT)
+    other = StoreEndpoint("s1", "node", "i9", b"other-agent", 0x90000, 16 * SLOT)
     worker = worker_with(index, agent, Clock())
     index.endpoint = _Method(other)
     worker.start_load("r0", [5], [loc(0, other)])  # fails (unknown store) and fetches its endpoint
@@ -342,7 +342,7 @@ def test_a_new_store_incarnation_retires_the_old_agent_once_its_transfers_end() 
     agent.script = ["PROC"]
     worker = worker_with(index, agent, Clock())
     worker.start_load("r1", [5], [loc(0)])
-    restarted = StoreEndpoint("s0", "node", "i1", "store-agent-2", b"store-agent-2", 0x10000, 16 * SLOT)
+    restarted = StoreEndpoint("s0", "node", "i1", b"store-agent-2", 0x10000, 16 * SLOT)
     index.endpoint = _Method(restarted)
     worker.start_load("r2", [6], [loc(0, restarted)])  # an unknown incarnation: fails, fetched
     index.endpoint.wait_answered()

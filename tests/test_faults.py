@@ -87,7 +87,7 @@ def _alive(pids: set[int]) -> list[str]:
 
 def engine_pids(up: Running) -> set[int]:
     """The pids of every engine process now: actors and their vLLM children."""
-    return {pid for info in ray.get(up.deployment.manager.infos.remote()) for pid in (info.pid, *info.child_pids)}
+    return {pid for pool in status(up).pools for r in pool.replicas if r.pid is not None for pid in (r.pid, *r.child_pids)}
 
 
 def status(up: Running) -> DeploymentStatus:
@@ -242,11 +242,14 @@ def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Runn
     data = json.loads(out.stdout)
     pools = {p["role"]: p["replicas"] for p in data["pools"]}
     assert set(pools) == {"prefill", "decode"}
-    infos = {i.engine_id: i for i in ray.get(pd.deployment.manager.infos.remote())}
+    infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in pd.deployment.routing_engines()}
     for replicas in pools.values():
         (r,) = replicas
         assert r["state"] == "healthy" and r["restarts"] == 0 and r["pid"] == infos[r["id"]].pid
         assert r["node"] == infos[r["id"]].node_ip and psutil.pid_exists(r["pid"])
+        # vLLM's engine core and worker: what a profiler attaches to
+        assert r["child_pids"] == infos[r["id"]].child_pids and all(psutil.pid_exists(p) for p in r["child_pids"])
+        assert r["child_pids"] and r["cores"] == infos[r["id"]].cores
     assert data["cpu_tier"]["capacity"] > 0
     text = subprocess.run([str(BIN / "tandem"), "status", "--address", gcs], capture_output=True, text=True, timeout=120)
     assert "deployment tandem: ok" in text.stdout and "prefill-0" in text.stdout

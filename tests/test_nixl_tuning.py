@@ -31,7 +31,7 @@ from orchestrator.config import ConfigError, parse_config
 from benchmarks.scenarios import vllm_server_env
 from orchestrator.specs import engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics
-from orchestrator.placement import EngineSlot, engine_cores, omp_binding, split_cores
+from orchestrator.placement import EngineSlot, engine_cores, omp_binding
 
 PD = {"prefill": {}, "decode": {}}
 
@@ -173,12 +173,12 @@ def test_the_plain_vllm_server_gets_the_openmp_cores_of_a_colocated_engine(monke
 
 def test_two_engines_on_two_cores_get_one_core_each() -> None:
     assert [engine_cores([0, 1], 2, i) for i in range(2)] == [[0], [1]]
-    assert [split_cores([0, 1], 2, i, 1) for i in range(2)] == ["0", "1"]
+    assert [omp_binding(engine_cores([0, 1], 2, i), 1) for i in range(2)] == ["0", "1"]
 
 
 def test_an_engine_with_several_cores_leaves_its_last_core_out_of_openmp() -> None:
     assert omp_binding([0, 1], 1) == "0"
-    assert [split_cores(list(range(8)), 2, i, 1) for i in range(2)] == ["0,1,2", "4,5,6"]
+    assert [omp_binding(engine_cores(list(range(8)), 2, i), 1) for i in range(2)] == ["0,1,2", "4,5,6"]
 
 
 def test_no_core_is_held_back_when_tp_ranks_need_them_all() -> None:
@@ -267,7 +267,7 @@ def test_metrics_page_shows_the_slow_transfer_count() -> None:
 
 
 def _info(engine_id: str, niceness: int) -> EngineInfo:
-    return EngineInfo(engine_id, "decode", "i0", "node", "10.0.0.1", 1, [], 1024, 128, None, None, None, niceness)
+    return EngineInfo(engine_id, "decode", "i0", "node", "10.0.0.1", 1, [], 1024, 128, None, None, niceness)
 
 
 def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:

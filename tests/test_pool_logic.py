@@ -179,7 +179,8 @@ STATUS = DeploymentStatus(
             ReplicaStatus("decode-1", "healthy", "10.0.0.2", 77, 5, 0, "cd34"),
         ]),
     ],
-    TierStatus(blocks=12, capacity=48, pinned=1, open_grants=0, stores={"node-a": (12, 48)}),
+    TierStatus(blocks=12, capacity=48, pinned=1, open_grants=0, stores={"node-a": (12, 48)}, lookups=9, hit_blocks=7,
+               saved_blocks=20, evicted_blocks=8, expired_grants=1),
 )
 
 
@@ -219,6 +220,12 @@ def test_metrics_show_a_down_engine_as_down_with_its_restarts() -> None:
     assert samples[("tandem_engine_state", tuple(sorted((*down, ("state", "restarting")))))] == 1
     assert samples[("tandem_engine_up", (("app", "t"), ("engine", "decode-1"), ("pool", "decode")))] == 1
     assert samples[("tandem_pool_healthy_replicas", (("app", "t"), ("pool", "decode")))] == 1
+    app = (("app", "t"),)
+    assert samples[("tandem_cpu_tier_blocks", app)] == 12 and samples[("tandem_cpu_tier_capacity_blocks", app)] == 48
+    assert samples[("tandem_cpu_tier_lookups_total", app)] == 9 and samples[("tandem_cpu_tier_hit_blocks_total", app)] == 7
+    assert samples[("tandem_cpu_tier_evicted_blocks_total", app)] == 8 and samples[("tandem_cpu_tier_expired_grants_total", app)] == 1
+    no_tier = TandemMetrics("t").render([], {}, msgspec.structs.replace(STATUS, cpu_tier=None)).decode()
+    assert "tandem_cpu_tier" not in no_tier  # the tier off (or its index silent): no series rather than zeros
 
 
 # ---- health checks ----------------------------------------------------------------------

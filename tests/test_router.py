@@ -302,7 +302,7 @@ def test_a_failed_prefill_is_retried_on_another_prefill_replica() -> None:
     router, reports = routed([dead.ref("prefill"), live.ref("prefill"), d.ref("decode")], policy="round_robin")
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
-    assert trace.prefill_engine == "p1" and trace.prefill_retries == 1 and trace.fallback is None
+    assert trace.fallback is None
     assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p1"}
     assert nonzero(router.stats.retries) == {"prefill_failed": 1}
     assert [r.engine.engine_id for r in reports] == ["p0"]
@@ -315,7 +315,7 @@ def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
                              prefill_timeout_s=0.2)
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
-    assert [leg(a) for a in slow.aborted] == ["r-p"] and trace.prefill_engine == "p1"
+    assert [leg(a) for a in slow.aborted] == ["r-p"] and d.requests[0].kv_transfer_params == {"remote_engine_id": "p1"}
     assert nonzero(router.stats.retries) == {"prefill_timeout": 1}
     assert reports == []  # slow is not dead: it stays in routing
 

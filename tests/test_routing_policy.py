@@ -298,7 +298,7 @@ def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[Re
         router.cache.sync()  # type: ignore[union-attr]
         await asyncio.sleep(0.05)  # the view's first long-poll answers
         out = [c async for c in router.generate(EngineRequest("r", prompt, SamplingParams(max_tokens=1)), trace)]
-        await router.cache.close()  # type: ignore[union-attr]
+        await router.close()
         return out
 
     return asyncio.run(asyncio.wait_for(go(), timeout=10))
@@ -416,7 +416,7 @@ def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> 
         decode.gate.set()
         await asyncio.gather(first, second)
         await one(2)  # nothing queued any more: local
-        await router.cache.close()
+        await router.close()
 
     asyncio.run(asyncio.wait_for(go(), timeout=10))
     assert [t.disaggregation for t in traces] == ["local", "remote", "local"]
@@ -508,8 +508,7 @@ def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one()
             async for _ in router.generate(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=1)), RequestTrace()):
                 pass
             await asyncio.sleep(0.005)  # the engines' events reach the view
-        if router.cache is not None:
-            await router.cache.close()
+        await router.close()
         return sum(e.computed for e in engines), [len(e.lru) for e in engines]
 
     def go(policy: str, evict_cost: float = 1.0) -> tuple[int, list[int]]:

@@ -254,22 +254,24 @@ def test_a_client_leaving_does_not_stop_another_request_under_its_request_id(pd:
 
 def test_a_prompt_the_tier_does_not_hold_costs_the_engine_no_lookup(pd: Running, client: openai.OpenAI) -> None:
     """The router follows what the CPU tier holds (the index's feed) and tells the prefill
-    engine; told the tier holds none of a prompt, the engine does not ask the index."""
-    import ray
+    engine; told the tier holds none of a prompt, the engine does not ask the index. Counted
+    by the index on /metrics."""
 
-    def lookups() -> int:
-        return ray.get(pd.deployment.kv_index.get_stats.remote(), timeout=60).num_lookups
+    def tier(name: str) -> float:
+        return metric(metrics(pd), f"tandem_cpu_tier_{name}")
 
     rng = random.Random(7)
     client.completions.create(model=MODEL, prompt=random_prompt(rng, 300), max_tokens=1)  # the router's view is live
     time.sleep(1.0)
     fresh = random_prompt(rng, 300)
-    before = lookups()
+    before, saved, hits = tier("lookups_total"), tier("saved_blocks_total"), tier("hit_blocks_total")
     client.completions.create(model=MODEL, prompt=fresh, max_tokens=2, temperature=0)
-    assert lookups() == before
+    assert tier("lookups_total") == before
     time.sleep(1.0)  # its blocks were saved; the router hears so from the feed
+    assert tier("saved_blocks_total") >= saved + 2  # 300 tokens: two full blocks of 128
     client.completions.create(model=MODEL, prompt=fresh, max_tokens=2, temperature=0)
-    assert lookups() == before + 1  # now the tier holds it: the engine looks it up
+    assert tier("lookups_total") == before + 1  # now the tier holds it: the engine looks it up
+    assert tier("hit_blocks_total") >= hits + 2 and tier("blocks") <= tier("capacity_blocks")
 
 
 def test_engines_listen_on_the_configured_token_path_ports(pd: Running) -> None:
