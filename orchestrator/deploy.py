@@ -17,6 +17,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from actors.protocol import EngineInfo
 from orchestrator.config import TandemConfig, to_dict
+from orchestrator.placement import ON_HEAD_NODE
 from orchestrator.pools import DeployError, PoolManager, manager_name
 from orchestrator.protocol import DeploymentStatus, EngineRef
 
@@ -41,7 +42,8 @@ class Deployment:
 
     def start(self, timeout_s: float = 900.0) -> list[EngineRef]:
         """Start every pool and pre-warm handshakes; on any failure, tear down and raise."""
-        self.manager = PoolManager.options(name=manager_name(self.cfg.serve.app_name)).remote(to_dict(self.cfg))  # type: ignore[attr-defined]
+        self.manager = PoolManager.options(  # type: ignore[attr-defined]
+            name=manager_name(self.cfg.serve.app_name), resources=ON_HEAD_NODE).remote(to_dict(self.cfg))
         try:
             self.infos = ray.get(self.manager.start.remote(timeout_s))
             self.engines = ray.get(self.manager.routing_table.remote(-1, 0)).engines

@@ -15,10 +15,17 @@ from typing import Any
 
 import msgspec
 import ray
+from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import PoolConfig
 from orchestrator.models import resolve_local
+
+# A sliver of the resource only Ray's head node has: control-plane singletons (the pool
+# manager, the CPU tier's index) run where Ray Serve runs its controller, on the one node a
+# cluster does not lose to scaling down or a reclaimed spot instance. Elsewhere, losing
+# their node would leave the pools unwatched and the tier's blocks unfindable.
+ON_HEAD_NODE = {HEAD_NODE_RESOURCE_NAME: 0.001}
 
 
 class NodeFacts(msgspec.Struct, frozen=True):

@@ -52,7 +52,7 @@ from orchestrator.protocol import (
 )
 from orchestrator.router import RequestTrace, Router
 from orchestrator.specs import engine_env, engine_spec, niceness_warning
-from orchestrator.tier import CpuTier
+from orchestrator.tier import NODE_CHECK_S, CpuTier
 
 logger = logging.getLogger("tandem.pools")
 
@@ -189,7 +189,8 @@ class PoolManager:
         # replica that cannot start is left down and the rest serve.
         self._starting = True
         self._stopping = False
-        self._autoscaler: asyncio.Task[None] | None = None
+        # Background loops started once serving: the autoscaler, the tier's node check.
+        self._loops: list[asyncio.Task[None]] = []
 
     # ---- start ----
 
@@ -227,7 +228,9 @@ class PoolManager:
         if warning := niceness_warning(infos):
             logger.warning(warning)
         if self._deciders:
-            self._autoscaler = asyncio.ensure_future(self._autoscale())
+            self._loops.append(asyncio.ensure_future(self._autoscale()))
+        if self.tier is not None:
+            self._loops.append(asyncio.ensure_future(self._check_tier_nodes()))
         return infos
 
     async def _wait_until_serving(self, timeout_s: float) -> None:
@@ -557,6 +560,16 @@ class PoolManager:
                                 victim.engine_id)
                     asyncio.ensure_future(self._retire(victim))
 
+    async def _check_tier_nodes(self) -> None:
+        """Every NODE_CHECK_S, forget the CPU tier stores of nodes that left the cluster."""
+        assert self.tier is not None
+        while not self._stopping:
+            await asyncio.sleep(NODE_CHECK_S)
+            try:
+                await self.tier.forget_lost_nodes()
+            except Exception as err:  # the GCS is briefly unreachable: the next check tries again
+                logger.warning("could not check the nodes of the CPU tier's stores: %s", err)
+
     async def _grow(self, role: Role) -> None:
         self._growing[role] += 1
         try:
@@ -633,8 +646,8 @@ class PoolManager:
     async def stop(self) -> None:
         """Stop every engine (vLLM's processes first), free the reservations, stop the tier."""
         self._stopping = True
-        if self._autoscaler is not None:
-            self._autoscaler.cancel()
+        for loop in self._loops:
+            loop.cancel()
         replicas = list(self.replicas.values())
         await asyncio.gather(*(self._stop_replica(r) for r in replicas))
         logger.info("stopped %d engines", len(replicas))

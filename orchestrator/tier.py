@@ -19,6 +19,7 @@ from actors.kv_index import KVIndexActor, index_actor_name, store_actor_name
 from actors.kv_store import KVStoreActor, TierSettings
 from actors.protocol import Role
 from orchestrator.config import TandemConfig
+from orchestrator.placement import ON_HEAD_NODE
 from orchestrator.protocol import TierStatus
 
 logger = logging.getLogger("tandem.tier")
@@ -28,6 +29,9 @@ STORE_START_TIMEOUT_S = 600.0
 # The pool manager's status answers without the tier's fill rather than wait longer than this
 # for the index (well inside the ingress's own wait for the status).
 STATUS_TIMEOUT_S = 2.0
+# How often the pool manager checks that the nodes holding stores are still in the cluster
+# (one GCS call listing the nodes).
+NODE_CHECK_S = 5.0
 
 
 class TierError(RuntimeError):
@@ -40,9 +44,11 @@ class CpuTier:
         self.namespace = namespace
         self.gcs_address = gcs_address
         self.app = cfg.serve.app_name
-        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app)).remote(self.app, namespace)
+        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app), resources=ON_HEAD_NODE).remote(self.app, namespace)
         self.stores: dict[str, Any] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
+        # Stores of nodes that left the cluster, not yet forgotten by the index.
+        self._lost: set[str] = set()
 
     async def ensure_store(self, node_id: str) -> None:
         """Start the store of `node_id` unless it runs (concurrent callers share one start)."""
@@ -79,6 +85,30 @@ class CpuTier:
             store_id=node_id[:12] if role in save_from else None,
             load=role in load_into,
         )
+
+    async def forget_lost_nodes(self) -> None:
+        """Forget the stores of nodes that left the cluster, with every block they held.
+
+        A store is pinned to its node, so Ray cannot bring it back anywhere else; until the
+        index forgets it, lookups hand out its blocks (every load of them fails and the engine
+        recomputes) and routers count them as tier hits. A store whose process died on a live
+        node is restarted by Ray instead, and its new incarnation replaces the old one when it
+        registers."""
+        if self.stores:
+            alive = {n["NodeID"] for n in await asyncio.to_thread(ray.nodes) if n["Alive"]}
+            for node_id in [n for n in self.stores if n not in alive]:
+                ray.kill(self.stores.pop(node_id), no_restart=True)
+                self._starting.pop(node_id, None)
+                self._lost.add(node_id[:12])
+        for store_id in sorted(self._lost):
+            try:
+                dropped = await asyncio.wait_for(self.index.forget_store.remote(store_id), STATUS_TIMEOUT_S)
+            except Exception as err:  # the index is restarting: the next check tries again
+                logger.warning("the CPU tier index did not forget store %s of a lost node yet (%s)", store_id, err)
+                continue
+            self._lost.discard(store_id)
+            logger.warning("the node of CPU tier store %s left the cluster: the store is gone with the %d blocks "
+                           "it held (engines compute those prefixes again)", store_id, dropped)
 
     def release_engine(self, owner: str) -> None:
         """An engine incarnation died: free its pins and slots now (fire and forget; the

@@ -180,7 +180,10 @@ def test_killing_the_store_while_serving_fails_no_request(deployment: Deployment
 
 
 @pytest.mark.cluster
-def test_two_nodes_get_a_store_each_and_save_locally(tiny_model: Any) -> None:
+def test_two_nodes_get_a_store_each_and_save_locally_and_a_lost_node_is_forgotten(tiny_model: Any) -> None:
+    """Each node's engine saves into its own node's store; when a node leaves the cluster,
+    its store (pinned there, so never restarted) is forgotten by the index with every block
+    it held, and the other node's blocks stay."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -193,7 +196,7 @@ def test_two_nodes_get_a_store_each_and_save_locally(tiny_model: Any) -> None:
     # ray.init itself resolves loopback to: the same host, as ray_local's nodes get.
     ip = ray._private.services.resolve_ip_for_localhost("127.0.0.1")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": ip})
-    cluster.add_node(num_cpus=2, node_ip_address=ip)
+    worker = cluster.add_node(num_cpus=2, node_ip_address=ip)
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
     cluster.wait_for_nodes()
     # One engine per node: each pool replica needs 2 CPUs, which a node has once.
@@ -217,6 +220,21 @@ def test_two_nodes_get_a_store_each_and_save_locally(tiny_model: Any) -> None:
         assert {nodes[e.engine_id][:12]: held[nodes[e.engine_id][:12]][0] for e in d.engines} == {
             nodes[e.engine_id][:12]: 3 for e in d.engines
         }
+
+        def node_of(actor: Any) -> str:
+            return ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+
+        # The control plane runs on the head node (orchestrator.placement.ON_HEAD_NODE), and so
+        # does this driver: the worker node is the one to lose.
+        assert node_of(d.manager) == node_of(d.kv_index) == cluster.head_node.node_id != worker.node_id
+        assert ray.get_runtime_context().get_node_id() == cluster.head_node.node_id
+        lost, kept = worker.node_id[:12], cluster.head_node.node_id[:12]
+        cluster.remove_node(worker)
+        deadline = time.monotonic() + 120  # Ray's notice of the lost node, then the manager's next check
+        while lost in (stats := ray.get(d.kv_index.get_stats.remote(), timeout=60)).stores:
+            assert time.monotonic() < deadline, f"the index still counts the store of the lost node: {stats}"
+            time.sleep(1)
+        assert stats.num_forgotten_blocks == 3 and stats.stores[kept][0] == 3 and stats.num_blocks == 3
     finally:
         d.stop()
         ray.shutdown()
