@@ -26,6 +26,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from actors.nixl_agent import make_nixl_agent
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
@@ -87,10 +89,10 @@ class _Agent:
     """A NIXL agent owning one registered host pool."""
 
     def __init__(self, pool_bytes: int) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.pool = np.ones(pool_bytes, dtype=np.uint8)  # touched, so pages are committed
-        self.agent = nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        # Tandem's one agent builder, as the tier's worker makes its agent (one thread, no
+        # progress thread): what is measured is the agent serving uses.
+        self.agent = make_nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", progress_thread=False)
         self.reg = self.agent.register_memory([(self.pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
 
     def descs(self, chunk_bytes: int, num_chunks: int) -> object:
