@@ -66,6 +66,9 @@ def render(status: DeploymentStatus) -> str:
         fill = tier.blocks / tier.capacity if tier.capacity else 0.0
         lines.append(f"\nCPU tier: {tier.blocks}/{tier.capacity} blocks ({fill:.0%}), {tier.pinned} pinned, "
                      f"{tier.open_grants} slots being written")
+        lines.append(f"  since the index started: {tier.lookups} lookups found {tier.hit_blocks} blocks, "
+                     f"{tier.saved_blocks} saved, {tier.evicted_blocks} evicted, {tier.forgotten_blocks} lost with a store, "
+                     f"{tier.expired_pins + tier.expired_grants} leases expired")
         for store, (held, cap) in sorted(tier.stores.items()):
             lines.append(f"  store {store}: {held}/{cap}")
     return "\n".join(lines)

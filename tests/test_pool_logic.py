@@ -205,6 +205,7 @@ def test_the_status_table_names_each_replica_its_state_and_its_last_error() -> N
     line = next(line for line in text.splitlines() if "decode-0" in line)
     assert "restarting" in line and "its process died" in line
     assert "CPU tier: 12/48 blocks (25%), 1 pinned, 0 slots being written" in text
+    assert "since the index started: 9 lookups found 7 blocks, 20 saved, 8 evicted, 0 lost with a store, 1 leases expired" in text
 
 
 def test_metrics_show_a_down_engine_as_down_with_its_restarts() -> None:
