@@ -532,9 +532,9 @@ def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> 
 
     vllm_tpot = {"vllm:request_time_per_output_token_seconds_sum": 0.16, "vllm:request_time_per_output_token_seconds_count": 40}
     grown = {n: 500.0 for n in TOKEN_SOURCES.values()} | {LOCAL_PREFILLS: 3.0, "tandem_engine_tpot_seconds_total": 0.2,
-                                                    "tandem_engine_decoded_requests_total": 40}
+                                                          "tandem_engine_decoded_requests_total": 40}
     text = vllm_client_table([ClientResult("vllm-server", "2 req/s", figures(50.0, 5.0), vllm_tpot),
-                  ClientResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
+                              ClientResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
     assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 | 6.0 / 4.0 |  |  |  |" in text
     assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 7.0 / 5.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
 
