@@ -43,8 +43,8 @@ from actors.nixl_agent import make_nixl_agent
 logger = logging.getLogger("tandem.cpu_tier")
 
 # How long a save waits for its slot grant (a Ray round trip to the index: 0.3-4 ms, mostly
-# 1-2, measured on a busy 2-core host, docs/bench-results.md); a slower index costs one save and this much of one step, not a stalled engine,
-# and the grant is given back when it arrives.
+# 1-2, measured on a busy 2-core host, docs/bench-results.md); a slower index costs one save
+# and this much of one step, not a stalled engine, and the grant is given back when it arrives.
 GRANT_WAIT_S = 0.02
 # How long a save waits for its WRITE (a healthy one of a step's blocks takes 1-2 ms).
 # Past it the WRITE is left running and later saves to that store are skipped until it ends,

@@ -71,7 +71,8 @@ class EngineCache:
         self.kv_cache_usage = update.kv_cache_usage
 
     def prefix_blocks(self, keys: Sequence[int], now: float) -> int:
-        """How many of `keys`, from the first on, the engine holds (or is expected to)."""
+        """How many of `keys`, from the first on, the engine holds (or is expected to hold at
+        `now`; at `math.inf`, held blocks only)."""
         n = 0
         for k in keys:
             if k not in self.held and self.expected.get(k, -math.inf) < now:
@@ -302,10 +303,7 @@ class CacheView:
             return None
         hashes, keys = prompt.for_engine(ref)
         cache = self.caches.get(ref.engine_id)
-        local = 0
-        if cache is not None:
-            while local < len(keys) and keys[local] in cache.held:
-                local += 1
+        local = cache.prefix_blocks(keys, math.inf) if cache is not None else 0
         held = self.tier.held
         return sum(1 for h in hashes[local:] if h in held)
 
