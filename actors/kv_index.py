@@ -21,17 +21,22 @@ touch it:
   nothing for a while, because READs planned from its previous life's answers may still be
   in flight against slots it no longer knows are in use.
 
-``KVIndex`` is plain logic (unit-tested); ``KVIndexActor`` is its Ray actor.
+``KVIndex`` is plain logic (unit-tested); ``KVIndexActor`` is its Ray actor. Engines reach it
+over the index's channel, not Ray: one ZMQ socket the actor serves (the calls below,
+``IndexCall``), so vLLM's engine processes never join the Ray cluster; the control plane's
+calls (stores, releases, stats, the routers' feed) stay Ray calls.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import ray
@@ -122,6 +127,77 @@ class TierChanges(msgspec.Struct, frozen=True):
     gone: list[bytes]
     # Where the index publishes its changes as they happen (ZMQ PUB); set on Ray answers.
     feed: str = ""
+
+# ---- the index's channel: what engines send it, over ZMQ (``KVIndexActor.channel_address``)
+
+
+class Lookup(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """``KVIndex.lookup``; answered with a LookupReply."""
+
+    answer: ClassVar[Any] = LookupReply
+    pin_key: str
+    hashes: list[bytes]
+
+
+class Unpin(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """``KVIndex.unpin``; never answered."""
+
+    answer: ClassVar[Any] = None
+    pin_key: str
+
+
+class Allocate(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """``KVIndex.allocate``; answered with a Grant or None."""
+
+    answer: ClassVar[Any] = Grant | None
+    store_id: str
+    hashes: list[bytes]
+    owner: str
+    slot_bytes: int | None = None
+    known_incarnation: str | None = None
+
+
+class Commit(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """``KVIndex.commit``; never answered."""
+
+    answer: ClassVar[Any] = None
+    grant: Grant
+    ok: bool
+
+
+class Endpoint(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """``KVIndex.endpoint``; answered with a StoreEndpoint or None."""
+
+    answer: ClassVar[Any] = StoreEndpoint | None
+    store_id: str
+
+
+class SetSlotBytes(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """``KVIndex.set_slot_bytes``; answered with None, or an error when the engine's blocks
+    differ from the tier's (``invalid``)."""
+
+    answer: ClassVar[Any] = None
+    slot_bytes: int
+
+
+IndexRequest = Lookup | Unpin | Allocate | Commit | Endpoint | SetSlotBytes
+
+
+class IndexCall(msgspec.Struct, frozen=True, array_like=True):
+    """One request on the channel; `call_id` 0 asks for no answer."""
+
+    call_id: int
+    request: IndexRequest
+
+
+class IndexAnswer(msgspec.Struct, frozen=True, array_like=True):
+    """The answer to call `call_id`: `value` (msgpack of the request's ``answer`` type), or
+    `error`; `invalid` when the request itself was refused (a ValueError in the index)."""
+
+    call_id: int
+    value: msgspec.Raw = msgspec.Raw(b"\xc0")
+    error: str | None = None
+    invalid: bool = False
 
 
 class OwnerRelease(msgspec.Struct, frozen=True):
@@ -501,37 +577,68 @@ def index_actor_name(app_name: str) -> str:
     return f"{app_name}:kv-index"
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _locked(method: _Method) -> _Method:
+    """Run an actor method under the actor's lock: Ray's thread and the channel's both call
+    the index."""
+
+    @functools.wraps(method)
+    def run(self: KVIndexActor, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class KVIndexActor:
-    """The index behind Ray calls. Calls are cheap and serialised by the actor; they carry
-    hashes and slot numbers only.
+    """The index behind Ray calls (the control plane) and its channel (engines). Calls are
+    cheap and serialised by one lock; they carry hashes and slot numbers only.
 
     Ray restarts it when it dies; it comes back empty (connectors see misses and skipped
     saves meanwhile, so engines keep serving by recomputing), grants nothing for
     `restart_quarantine_s`, and finds the live stores of `app_name` by their actor names
-    (``store_actor_name``) to register them again. Calls in flight when it
-    dies fail rather than being retried (``max_task_retries=0``): a retried allocate or
-    lookup would pin or reserve for a caller that already gave up on it."""
+    (``store_actor_name``) to register them again. Calls in flight when it dies fail rather
+    than being retried (``max_task_retries=0``; the channel's are never answered): a retried
+    allocate or lookup would pin or reserve for a caller that already gave up on it. The
+    channel listens on `channel_port` again after a restart, so engines reconnect by
+    themselves (0: a port the OS picks, which a restart does not keep)."""
 
     def __init__(
         self,
         app_name: str | None = None,
         namespace: str | None = None,
         restart_quarantine_s: float = RESTART_QUARANTINE_S,
+        channel_port: int = 0,
     ) -> None:
         """`app_name`/`namespace`: whose stores to look for after a restart (None: never look;
         namespace None: this job's)."""
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.index = KVIndex(hold_grants_s=restart_quarantine_s if restarted else 0.0)
+        self._lock = threading.Lock()
+        host = ray.util.get_node_ip_address()
+        bind_host = f"[{host}]" if ":" in host else host
         # Routers follow what the tier holds from this feed (orchestrator.cache_view.TierView):
-        # every change is published as it happens, so no router asks per request. The actor
-        # stays synchronous: its callers rely on their calls running in the order sent.
+        # every change is published as it happens, so no router asks per request.
         self._feed = zmq.Context.instance().socket(zmq.PUB)
         self._feed.setsockopt(zmq.SNDHWM, 0)  # followers resync after a gap; nothing is dropped here
         self._feed.setsockopt(zmq.LINGER, 0)
-        host = ray.util.get_node_ip_address()
-        bind_host = f"[{host}]" if ":" in host else host
         self.feed_address = f"tcp://{bind_host}:{self._feed.bind_to_random_port(f'tcp://{bind_host}')}"
+        self._channel = zmq.Context.instance().socket(zmq.ROUTER)
+        self._channel.setsockopt(zmq.LINGER, 0)
+        self._channel.setsockopt(zmq.SNDHWM, 0)
+        self._channel.setsockopt(zmq.RCVHWM, 0)
+        if channel_port:
+            try:
+                self._channel.bind(f"tcp://{bind_host}:{channel_port}")
+            except zmq.ZMQError as err:
+                raise OSError(f"the CPU tier index cannot listen on {host}:{channel_port} ({err}); fix: free the "
+                              "port, or set cpu_tier.index_port to one no other process on the node uses") from None
+        else:
+            channel_port = self._channel.bind_to_random_port(f"tcp://{bind_host}")
+        self.channel_address = f"tcp://{bind_host}:{channel_port}"
         self._published = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._store_search: _StoreSearch | None = None
@@ -539,13 +646,52 @@ class KVIndexActor:
             logger.warning("CPU tier index restarted empty; granting no slots for %.0f s", restart_quarantine_s)
             if app_name is not None:
                 self._store_search = _StoreSearch(app_name, namespace or ray.get_runtime_context().namespace)
+        threading.Thread(target=self._serve_channel, name="tier-index-channel", daemon=True).start()
+
+    def _serve_channel(self) -> None:
+        """Answer engines' calls, in the order each engine sent them, for the process's life."""
+        decoder = msgspec.msgpack.Decoder(IndexCall)
+        while True:
+            peer, payload = self._channel.recv_multipart()
+            try:
+                call = decoder.decode(payload)
+            except msgspec.DecodeError as err:
+                logger.warning("CPU tier index: dropped a call it cannot read (%s); an engine of another "
+                               "Tandem version?", err)
+                continue
+            answer = self._answer(call)
+            if call.call_id:
+                self._channel.send_multipart([peer, self._encoder.encode(answer)])
+
+    def _answer(self, call: IndexCall) -> IndexAnswer:
+        request = call.request
+        try:
+            if isinstance(request, Lookup):
+                value: Any = self.lookup(request.pin_key, request.hashes)
+            elif isinstance(request, Unpin):
+                value = self.unpin(request.pin_key)
+            elif isinstance(request, Allocate):
+                value = self.allocate(request.store_id, request.hashes, request.owner, request.slot_bytes,
+                                      request.known_incarnation)
+            elif isinstance(request, Commit):
+                value = self.commit(request.grant, request.ok)
+            elif isinstance(request, Endpoint):
+                value = self.endpoint(request.store_id)
+            else:
+                value = self.set_slot_bytes(request.slot_bytes)
+        except ValueError as err:
+            return IndexAnswer(call.call_id, error=str(err), invalid=True)
+        except Exception as err:
+            logger.exception("CPU tier index: %s failed", type(request).__name__)
+            return IndexAnswer(call.call_id, error=f"{type(err).__name__}: {err}")
+        return IndexAnswer(call.call_id, msgspec.Raw(self._encoder.encode(value)))
 
     def _adopt_stores(self) -> None:
         if self._store_search is None:
             return
         for endpoint in self._store_search.poll():
             if self.index.endpoint(endpoint.store_id) is None:  # the store's own registration wins
-                self.register_store(endpoint)
+                self._register(endpoint)
         if self._store_search.done:
             self._store_search = None
 
@@ -557,43 +703,75 @@ class KVIndexActor:
             self._published = changes.version
             self._feed.send(self._encoder.encode(changes))
 
-    def changes(self, incarnation: str, version: int) -> TierChanges:
-        """What changed since a follower's `version` of this `incarnation` (everything, when it
-        follows another life or fell behind), and where the feed is."""
-        return msgspec.structs.replace(self.index.changes(incarnation, version), feed=self.feed_address)
-
-    def set_slot_bytes(self, slot_bytes: int) -> None:
-        self.index.set_slot_bytes(slot_bytes)
-
-    def register_store(self, endpoint: StoreEndpoint) -> None:
+    def _register(self, endpoint: StoreEndpoint) -> None:
         self.index.register_store(endpoint)
         self._publish()
         logger.info("CPU tier store %s (node %s, incarnation %s, %.2f GiB) registered",
                     endpoint.store_id, endpoint.node_id, endpoint.incarnation, endpoint.pool_bytes / 2**30)
 
+    # ---- Ray calls: the control plane ----
+
+    @_locked
+    def changes(self, incarnation: str, version: int) -> TierChanges:
+        """What changed since a follower's `version` of this `incarnation` (everything, when it
+        follows another life or fell behind), and where the feed is."""
+        return msgspec.structs.replace(self.index.changes(incarnation, version), feed=self.feed_address)
+
+    @_locked
+    def register_store(self, endpoint: StoreEndpoint) -> None:
+        self._register(endpoint)
+
+    @_locked
     def forget_store(self, store_id: str) -> int:
         dropped = self.index.forget_store(store_id)
         self._publish()
         logger.warning("CPU tier store %s forgotten with its %d blocks", store_id, dropped)
         return dropped
 
+    @_locked
     def clear(self) -> int:
         dropped = self.index.clear()
         self._publish()
         logger.warning("CPU tier flushed: %d blocks dropped", dropped)
         return dropped
 
+    @_locked
+    def release_owner(self, owner: str) -> OwnerRelease:
+        """Called by the control plane when it sees an engine incarnation die."""
+        released = self.index.release_owner(owner)
+        logger.info("CPU tier released engine %s: %d lookups' pins, %d grants (%d slots in quarantine)",
+                    owner, released.num_pins, released.num_grants, released.num_slots)
+        return released
+
+    @_locked
+    def get_stats(self) -> IndexStats:
+        self._adopt_stores()
+        return self.index.get_stats()
+
+    def get_channel_address(self) -> str:
+        return self.channel_address
+
+    # ---- the channel's calls: engines ----
+
+    @_locked
+    def set_slot_bytes(self, slot_bytes: int) -> None:
+        self.index.set_slot_bytes(slot_bytes)
+
+    @_locked
     def endpoint(self, store_id: str) -> StoreEndpoint | None:
         self._adopt_stores()
         return self.index.endpoint(store_id)
 
+    @_locked
     def lookup(self, pin_key: str, hashes: list[bytes]) -> LookupReply:
         self._adopt_stores()
         return self.index.lookup(pin_key, hashes)
 
+    @_locked
     def unpin(self, pin_key: str) -> None:
         self.index.unpin(pin_key)
 
+    @_locked
     def allocate(
         self,
         store_id: str,
@@ -607,20 +785,10 @@ class KVIndexActor:
         self._publish()  # a full store evicts
         return grant
 
+    @_locked
     def commit(self, grant: Grant, ok: bool) -> None:
         self.index.commit(grant, ok)
         self._publish()
-
-    def release_owner(self, owner: str) -> OwnerRelease:
-        """Called by the control plane when it sees an engine incarnation die."""
-        released = self.index.release_owner(owner)
-        logger.info("CPU tier released engine %s: %d lookups' pins, %d grants (%d slots in quarantine)",
-                    owner, released.num_pins, released.num_grants, released.num_slots)
-        return released
-
-    def get_stats(self) -> IndexStats:
-        self._adopt_stores()
-        return self.index.get_stats()
 
 
 class _StoreSearch:

@@ -38,13 +38,11 @@ REGISTER_TIMEOUT_S = 60.0
 
 class TierSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How an engine reaches the tier: kv_connector_extra_config of the CPU tier connector
-    (connectors.offload), built per engine by orchestrator.deploy."""
+    (connectors.offload), built per engine by orchestrator.tier. The engine's processes
+    reach the index on its channel and the stores through NIXL; they never join Ray."""
 
-    # GCS address of the Ray cluster ("ip:port"), joined by the engine process.
-    ray_address: str
-    namespace: str
-    # Named actor of the tier's index.
-    index_actor: str
+    # The index's channel ("tcp://ip:port", KVIndexActor.channel_address).
+    index_address: str
     # Store id this engine saves to (its node's store); None: the engine does not save.
     store_id: str | None = None
     # Whether this engine loads prefixes from the tier.

@@ -12,14 +12,15 @@ a prefix of the request's block hashes is held (when first scheduling the reques
 a few ms for the answer, then says "not yet" until it arrives), pins it for the load, plans
 loads into the blocks vLLM allocates, and plans saves of newly computed full prompt blocks.
 Worker role (next to the KV cache): moves the bytes through NIXL, see
-``connectors.offload_worker``. Both run in the engine process, which joins the Ray cluster
-as a driver to reach the actors; Ray calls carry hashes and slot numbers, never KV bytes.
+``connectors.offload_worker``. Both reach the index on its channel
+(``connectors.index_client``: hashes and slot numbers, never KV bytes); the engine's
+processes never join the Ray cluster.
 
 The engine's ``kv_transfer_config.engine_id`` names it in the index: pin keys are
 ``<engine_id>/<request id>`` and grants are owned by ``<engine_id>``, so the control plane
 can release whatever a dead engine held with ``KVIndexActor.release_owner(engine_id)``.
-The index may be missing or restarting at any time (``IndexLink``): lookups then miss and
-saves are skipped, and the engine serves by computing.
+The index may be unreachable or restarting at any time: lookups then miss and saves are
+skipped, and the engine serves by computing.
 
 Why not vLLM's OffloadingConnector with an out-of-tree OffloadingSpec: see docs/cpu-tier.md
 (it asserts that no transfer fails, so a dead store would crash the engine instead of
@@ -30,12 +31,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import ray
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,8 +43,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from actors.kv_index import TIER_HINT, BlockLocation
+from actors.kv_index import TIER_HINT, BlockLocation, Lookup, Unpin
 from actors.kv_store import TierSettings
+from connectors.index_client import IndexCallError, IndexClient
 from connectors.offload_worker import CpuTierWorker
 
 if TYPE_CHECKING:
@@ -69,9 +69,6 @@ LOOKUP_TIMEOUT_S = 2.0
 # have lapsed (actors.kv_index.PIN_LEASE_S) or the index may have restarted since, and only
 # fresh answers are covered by a restarted index's quarantine (RESTART_QUARANTINE_S).
 LOOKUP_FRESH_S = 5.0
-# While the index actor cannot be found by name, the search is retried this often (each try
-# is one GCS call, made on the engine's step path).
-INDEX_RETRY_S = 5.0
 
 
 class LoadJob(msgspec.Struct, frozen=True):
@@ -115,71 +112,16 @@ def _tier_holds_none(request: Request) -> bool:
     return (request.kv_transfer_params or {}).get(TIER_HINT) == 0
 
 
-def _join_ray(settings: TierSettings) -> None:
-    """Connect this engine process to the cluster (once)."""
-    if not ray.is_initialized():
-        ray.init(address=settings.ray_address, namespace=settings.namespace,
-                 log_to_driver=False, logging_level=logging.WARNING)
-        _stop_error_listener()
-
-
-class IndexLink:
-    """The index actor's handle, found by name. An engine starts and serves while the index
-    cannot be found (not created yet, or gone): callers treat None as "no tier right now",
-    and the search is retried at most every INDEX_RETRY_S. A restarting actor keeps its name
-    and handle, so a handle once found stays good across the index's restarts."""
-
-    def __init__(self, name: str, namespace: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self.name = name
-        self.namespace = namespace
-        self._clock = clock
-        self._handle: Any = None
-        self._next_try = float("-inf")
-
-    def get(self) -> Any | None:
-        if self._handle is None and self._clock() >= self._next_try:
-            self._next_try = self._clock() + INDEX_RETRY_S
-            try:
-                self._handle = ray.get_actor(self.name, namespace=self.namespace)
-            except Exception as err:
-                logger.warning("CPU tier index %r not found (%s); serving without the tier, retrying in %.0f s",
-                               self.name, err, INDEX_RETRY_S)
-        return self._handle
-
-
-def _stop_error_listener() -> None:
-    """Stop the thread every Ray driver runs to print cluster errors.
-
-    In vLLM's worker processes its long poll of the GCS returns at once, over and over: the
-    thread and the GCS each burned 0.2-0.5 of a core with no request in flight, and a 1P1D
-    deployment's decode TPOT tripled on a 2-core host. An engine has nobody to print the
-    errors to (its driver is Tandem's), so the thread goes; if a Ray upgrade moves these
-    internals, the engine keeps working and only the log says so.
-    """
-    try:
-        worker = ray._private.worker.global_worker
-        listener, subscriber, stopped = worker.listener_thread, worker.gcs_error_subscriber, worker.threads_stopped
-    except AttributeError as err:
-        logger.warning("could not stop Ray's error listener in this engine process (%s); it may poll the GCS", err)
-        return
-    stopped.set()  # the listener's loop exits on this; close() wakes its pending poll
-    subscriber.close()
-    listener.join(timeout=10)
-    stopped.clear()  # ray.shutdown() sets it again for Ray's other threads
-    if listener.is_alive():
-        logger.warning("Ray's error listener in this engine process did not stop within 10 s; it may poll the GCS")
-
-
 class _Pending:
-    """An in-flight or answered lookup of one request (`ref` None: no index to ask, a miss)."""
+    """An in-flight or answered lookup of one request (`call`: its call on the index's channel)."""
 
-    __slots__ = ("ref", "started", "first_block", "locations")
+    __slots__ = ("call", "started", "first_block", "locations")
 
-    def __init__(self, ref: Any | None, first_block: int) -> None:
-        self.ref = ref
+    def __init__(self, call: int, first_block: int) -> None:
+        self.call = call
         self.started = time.monotonic()
         self.first_block = first_block
-        self.locations: list[BlockLocation] | None = None if ref is not None else []
+        self.locations: list[BlockLocation] | None = None
 
     @property
     def stale(self) -> bool:
@@ -199,10 +141,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
-        _join_ray(self.settings)
-        self.index = IndexLink(self.settings.index_actor, self.settings.namespace)
+        self.index = IndexClient(self.settings.index_address)
         is_worker = role == KVConnectorRole.WORKER
-        self.worker = CpuTierWorker(self.index.get, self.settings.store_id, self.engine_id) if is_worker else None
+        self.worker = CpuTierWorker(self.index, self.settings.store_id, self.engine_id) if is_worker else None
         # Scheduler state, keyed by request id and dropped in request_finished.
         self._requests: dict[str, Request] = {}
         self._lookups: dict[str, _Pending] = {}
@@ -262,25 +203,26 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def _start_lookup(self, request: Request, first: int) -> _Pending:
         req_id = request.request_id
         hashes = [bytes(h) for h in request.block_hashes[first : self._loadable_blocks(request)]]
-        index = self.index.get()
-        ref = index.lookup.remote(self._pin_key(req_id), hashes) if index is not None else None
-        pending = self._lookups[req_id] = _Pending(ref, first)
+        replaced = self._lookups.get(req_id)
+        if replaced is not None:
+            self.index.forget(replaced.call)
+        pending = self._lookups[req_id] = _Pending(self.index.call(Lookup(self._pin_key(req_id), hashes)), first)
         return pending
 
     def _answer(self, req_id: str, pending: _Pending) -> bool:
         """Fill `pending.locations` if the index has answered (waiting up to LOOKUP_WAIT_S
         from the lookup's start), or if it failed or timed out (a miss); False: still open."""
         waited = time.monotonic() - pending.started
-        ready, _ = ray.wait([pending.ref], timeout=max(0.0, LOOKUP_WAIT_S - waited))
-        if not ready:
+        if not self.index.wait([pending.call], max(0.0, LOOKUP_WAIT_S - waited)):
             if waited < LOOKUP_TIMEOUT_S:
                 return False
             logger.warning("CPU tier lookup of request %s timed out; computing it", req_id)
+            self.index.forget(pending.call)
             pending.locations = []
             return True
         try:
-            pending.locations = ray.get(pending.ref).locations
-        except Exception as err:  # index gone: serve without the tier
+            pending.locations = self.index.result(pending.call).locations
+        except IndexCallError as err:  # index unreachable or restarting: serve without the tier
             logger.warning("CPU tier lookup of request %s failed (%s); computing it", req_id, err)
             pending.locations = []
         return True
@@ -293,6 +235,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         pending = self._lookups.pop(req_id, None)
         if num_external_tokens == 0 or pending is None or not pending.locations:
             if pending is not None:
+                self.index.forget(pending.call)  # its answer may not have come
                 self._unpin(req_id)
             return
         # `blocks` are all the request's blocks; the load fills those after the local hit.
@@ -340,7 +283,10 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         # Pins are held by a lookup not yet used and by a load not yet ended; a request that
         # had neither (told the tier holds none of it, a miss, a load that ended) holds none,
         # and costs the index no call.
-        if self._lookups.pop(req_id, None) is not None or req_id in self._loading:
+        pending = self._lookups.pop(req_id, None)
+        if pending is not None:
+            self.index.forget(pending.call)
+        if pending is not None or req_id in self._loading:
             self._unpin(req_id)
         self._loading.discard(req_id)
         self._requests.pop(req_id, None)
@@ -352,9 +298,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
 
     def _unpin(self, req_id: str) -> None:
         """Release a request's pins; lost if the index is unreachable (its lease reclaims them)."""
-        index = self.index.get()
-        if index is not None:
-            index.unpin.remote(self._pin_key(req_id))
+        self.index.send(Unpin(self._pin_key(req_id)))
 
     # ---- worker side ----
 
@@ -364,7 +308,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before each forward pass: note this step's saves (nothing is asked of the
-        index yet: a Ray call's threads would run beside the forward pass, on its core)."""
+        index yet: see `handle_preemptions`)."""
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, TierMetadata)
         self._step_saves = [(job.block_ids, job.hashes) for job in connector_metadata.saves]
@@ -398,7 +342,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         the earliest in a plan made after the free, and that plan's step starts here. vLLM
         runs one more step after any request finishes, so the last saves are written too.
         The slots are asked of the index here too, once the step's tokens have left: asked
-        before the forward pass (to hide the round trip behind it), the Ray call's threads
+        before the forward pass (to hide the round trip behind it), the call (then a Ray call)
         slowed that forward pass and the first token's way out (1P1D prefill compute 7.0 ->
         6.0 ms, colocated 6.4 -> 5.3 ms; docs/bench-results.md)."""
         assert self.worker is not None
@@ -420,6 +364,9 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
             return None
         stats = TierStats(data=self.worker.take_counters())
         return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        self.index.close()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

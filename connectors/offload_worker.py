@@ -3,14 +3,14 @@ the stores' host pools with one-sided NIXL transfers.
 
 Saves are synchronous, at the start of the step after the one that computed the blocks
 (``handle_preemptions``, before anything can overwrite them), so neither the index's slot
-grant (a Ray round trip) nor the NIXL WRITE delays the tokens of the step that computed
-them; both are paid in the next step. Loads are
+grant (a round trip on the index's channel) nor the NIXL WRITE delays the tokens of the step
+that computed them; both are paid in the next step. Loads are
 asynchronous: posted in ``start_load_kv`` and polled in ``get_finished``. Any failure (a
 dead store, a location outside its pool, a transfer error) marks the request's blocks as
 load errors, which vLLM recomputes.
 
 Rules that keep the tier safe under faults:
-- The engine step never waits on Ray for long: at most GRANT_WAIT_S for a slot grant (a
+- The engine step never waits on the index for long: at most GRANT_WAIT_S for a slot grant (a
   grant arriving later is given back), never for a store's endpoint: a grant carries the
   endpoint of a store incarnation the worker does not know yet, and one needed by a load is
   fetched in the background (until it arrives, loads from that store fail and vLLM
@@ -35,16 +35,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import ray
 
-from actors.kv_index import BlockLocation, Grant, StoreEndpoint
+from actors.kv_index import Allocate, BlockLocation, Commit, Endpoint, Grant, SetSlotBytes, StoreEndpoint
 from actors.nixl_agent import make_nixl_agent
+from connectors.index_client import IndexCallError, IndexClient, IndexRefused
 
 logger = logging.getLogger("tandem.cpu_tier")
 
-# How long a save waits for its slot grant (a Ray round trip to the index: 0.3-4 ms, mostly
-# 1-2, measured on a busy 2-core host, docs/bench-results.md); a slower index costs one save
-# and this much of one step, not a stalled engine, and the grant is given back when it arrives.
+# How long a save waits for its slot grant (a round trip to the index on its channel; over
+# Ray it was 0.3-4 ms, mostly 1-2, on a busy 2-core host, docs/bench-results.md); a slower
+# index costs one save and this much of one step, not a stalled engine, and the grant is
+# given back when it arrives.
 GRANT_WAIT_S = 0.02
 # How long a save waits for its WRITE (a healthy one of a step's blocks takes 1-2 ms).
 # Past it the WRITE is left running and later saves to that store are skipped until it ends,
@@ -105,13 +106,13 @@ class CpuTierWorker:
 
     def __init__(
         self,
-        index: Callable[[], Any | None],
+        index: IndexClient,
         store_id: str | None,
         owner: str,
         agent: Any | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`index` returns the index actor's handle (None while unreachable); `owner` names
+        """`index` is this process's channel to the index; `owner` names
         this engine incarnation in the index (grants are reclaimed by it when it dies);
         `agent` is a NIXL agent (built here when None); `clock` is injectable for tests."""
         self._index = index
@@ -125,14 +126,14 @@ class CpuTierWorker:
         self.slot_bytes = 0
         # store id -> (endpoint, remote agent name) of the incarnation we know
         self._stores: dict[str, tuple[StoreEndpoint, str]] = {}
-        # store id -> pending ``index.endpoint`` answer
-        self._fetches: dict[str, Any] = {}
+        # store id -> pending Endpoint call
+        self._fetches: dict[str, int] = {}
         # Remote agents of replaced store incarnations, removed once no transfer uses them.
         self._retired_agents: set[str] = set()
         self._loads: list[_Load] = []
         self._stuck_saves: list[_StuckSave] = []
         # Slot grants that missed their step, given back when they arrive.
-        self._late_grants: list[Any] = []
+        self._late_grants: list[int] = []
         self._error_blocks: set[int] = set()
         self._last_warned: dict[str, float] = {}
         self.bytes_loaded = 0
@@ -159,14 +160,19 @@ class CpuTierWorker:
             registered.add((storage.data_ptr(), storage.nbytes()))
         self.agent.register_memory([(ptr, size, 0, "") for ptr, size in sorted(registered)], "DRAM")
         self.slot_bytes = sum(layer.page for layer in self.layers)
-        index = self._index()
-        if index is not None:
-            try:
-                ray.get(index.set_slot_bytes.remote(self.slot_bytes), timeout=SLOT_BYTES_WAIT_S)
-            except ValueError:  # another model's blocks: this engine must not share the tier
-                raise
-            except Exception as err:
-                logger.warning("CPU tier index did not take this engine's slot size (%s); saves will send it", err)
+        self._index.wait_connected(SLOT_BYTES_WAIT_S)
+        call = self._index.call(SetSlotBytes(self.slot_bytes))
+        if not self._index.wait([call], SLOT_BYTES_WAIT_S):
+            self._index.forget(call)
+            logger.warning("CPU tier index did not take this engine's slot size within %.0f s; saves will send it",
+                           SLOT_BYTES_WAIT_S)
+            return
+        try:
+            self._index.result(call)
+        except IndexRefused:  # another model's blocks: this engine must not share the tier
+            raise
+        except IndexCallError as err:
+            logger.warning("CPU tier index did not take this engine's slot size (%s); saves will send it", err)
 
     # ---- the step's housekeeping ----
 
@@ -188,9 +194,7 @@ class CpuTierWorker:
 
     def _give_back(self, grant: Grant) -> None:
         """Return a grant's slots to the index; only once nothing can write them any more."""
-        index = self._index()
-        if index is not None:
-            index.commit.remote(grant, False)
+        self._index.send(Commit(grant, False))
 
     # ---- store endpoints ----
 
@@ -204,21 +208,17 @@ class CpuTierWorker:
         return None
 
     def _fetch_endpoint(self, store_id: str) -> None:
-        if store_id in self._fetches:
-            return
-        index = self._index()
-        if index is not None:
-            self._fetches[store_id] = index.endpoint.remote(store_id)
+        if store_id not in self._fetches:
+            self._fetches[store_id] = self._index.call(Endpoint(store_id))
 
     def _poll_fetches(self) -> None:
         if not self._fetches:
             return
-        ready, _ = ray.wait(list(self._fetches.values()), num_returns=len(self._fetches), timeout=0)
-        for store_id in [s for s, ref in self._fetches.items() if ref in ready]:
-            ref = self._fetches.pop(store_id)
+        ready = self._index.wait(self._fetches.values(), 0)
+        for store_id in [s for s, call in self._fetches.items() if call in ready]:
             try:
-                ep: StoreEndpoint | None = ray.get(ref)
-            except Exception as err:
+                ep: StoreEndpoint | None = self._index.result(self._fetches.pop(store_id))
+            except IndexCallError as err:
                 self._warn("endpoint", "CPU tier could not fetch the endpoint of store %s: %s", store_id, err)
                 continue
             if ep is not None:
@@ -305,39 +305,37 @@ class CpuTierWorker:
 
     # ---- saves ----
 
-    def request_slots(self, hashes: list[bytes]) -> Any | None:
-        """Ask the index for store slots for these hashes without waiting; the answer goes to
+    def request_slots(self, hashes: list[bytes]) -> int | None:
+        """Ask the index for store slots for these hashes without waiting; the call goes to
         `save`. None: nothing to save."""
         if self.store_id is None or not hashes or not self.slot_bytes:
             return None
-        index = self._index()
-        if index is None:
-            return None
         known = self._stores.get(self.store_id)
         known_incarnation = known[0].incarnation if known is not None else None
-        return index.allocate.remote(self.store_id, hashes, self.owner, self.slot_bytes, known_incarnation)
+        return self._index.call(Allocate(self.store_id, hashes, self.owner, self.slot_bytes, known_incarnation))
 
-    def save(self, jobs: list[tuple[list[int], list[bytes], Any | None]], block_size: int) -> None:
+    def save(self, jobs: list[tuple[list[int], list[bytes], int | None]], block_size: int) -> None:
         """Write this step's computed blocks, (block ids, hashes, `request_slots` answer) per
         job, to their granted slots; called at the start of the next step, before anything
         can overwrite the blocks. Waits at most GRANT_WAIT_S for the grants together; a failed or skipped save
         is logged and dropped (a miss later)."""
-        refs = [ref for _, _, ref in jobs if ref is not None]
-        if not refs:
+        calls = [call for _, _, call in jobs if call is not None]
+        if not calls:
             return
-        ready, late = ray.wait(refs, num_returns=len(refs), timeout=GRANT_WAIT_S)
+        ready = self._index.wait(calls, GRANT_WAIT_S)
+        late = [call for call in calls if call not in ready]
         if late:
             self._warn("late-grant", "CPU tier index did not grant slots within %.0f ms; %d saves skipped",
                        GRANT_WAIT_S * 1000, len(late))
             self._late_grants += late
-        for block_ids, hashes, ref in jobs:
-            if ref is not None and ref in ready:
-                self._save(dict(zip(hashes, block_ids)), ref, block_size)
+        for block_ids, hashes, call in jobs:
+            if call is not None and call in ready:
+                self._save(dict(zip(hashes, block_ids)), call, block_size)
 
-    def _save(self, block_of: dict[bytes, int], ref: Any, block_size: int) -> None:
+    def _save(self, block_of: dict[bytes, int], call: int, block_size: int) -> None:
         try:
-            grant: Grant | None = ray.get(ref)
-        except Exception as err:  # the index is gone or restarting: the tier is a cache
+            grant: Grant | None = self._index.result(call)
+        except IndexCallError as err:  # the index is gone or restarting: the tier is a cache
             self._warn("allocate", "CPU tier save skipped: the index did not grant slots (%s)", err)
             return
         if grant is None or not grant.hashes:
@@ -365,22 +363,22 @@ class CpuTierWorker:
             self._stuck_saves.append(_StuckSave(xfer, grant))
             return
         self._release(xfer.handle)
-        index = self._index()
-        if xfer.state != "DONE" or index is None:
+        if xfer.state != "DONE":
             self._give_back(grant)
             return
-        index.commit.remote(grant, True)
+        self._index.send(Commit(grant, True))  # lost with an unreachable index: its lease reclaims the slots
         self.bytes_saved += len(grant.hashes) * self.slot_bytes
         self.tokens_saved += len(grant.hashes) * block_size
 
     def _poll_late_grants(self) -> None:
         if not self._late_grants:
             return
-        ready, self._late_grants = ray.wait(self._late_grants, num_returns=len(self._late_grants), timeout=0)
-        for ref in ready:
+        ready = self._index.wait(self._late_grants, 0)
+        self._late_grants = [call for call in self._late_grants if call not in ready]
+        for call in ready:
             try:
-                grant: Grant | None = ray.get(ref)
-            except Exception:  # nothing was granted
+                grant: Grant | None = self._index.result(call)
+            except IndexCallError:  # nothing was granted
                 continue
             if grant is not None and grant.hashes:
                 self._give_back(grant)

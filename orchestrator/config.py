@@ -283,6 +283,9 @@ class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # TandemConfig.tier_pools.
     save_from: frozenset[PoolRole] | None = None
     load_into: frozenset[PoolRole] | None = None
+    # The port engines reach the tier's index on, on the head node (the index's channel).
+    # Unset: one that is free when the deployment starts; a restarted index keeps it.
+    index_port: Port | None = None
     # The tier's connector class and its module (a subclass of TandemCpuTierConnector
     # with another transfer path, or one that injects faults in tests).
     connector: str = "TandemCpuTierConnector"
@@ -337,6 +340,8 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
                  ("kv_transfer.side_channel_base_port", self.kv_transfer.side_channel_base_port, engines)]
         if self.serve.token_path_base_port is not None:
             spans.append(("serve.token_path_base_port", self.serve.token_path_base_port, engines))
+        if self.cpu_tier.enabled and self.cpu_tier.index_port is not None:
+            spans.append(("cpu_tier.index_port", self.cpu_tier.index_port, 1))
         for name, base, n in spans:
             if base + n - 1 > 65535:
                 raise ValueError(f"`{name}` ({base}) leaves no room below 65536 for {n} engines' ports: lower it")

@@ -165,7 +165,7 @@ class PoolManager:
         ctx = ray.get_runtime_context()
         self.app = self.cfg.serve.app_name
         self.health = self.cfg.health
-        self.tier = CpuTier(self.cfg, ctx.namespace, ctx.gcs_address) if self.cfg.cpu_tier.enabled else None
+        self.tier = CpuTier(self.cfg, ctx.namespace) if self.cfg.cpu_tier.enabled else None
         self.allocator = SlotAllocator(
             PortBases(self.cfg.kv_transfer.side_channel_base_port, self.cfg.serve.token_path_base_port),
             bind_cores=self.cfg.device == "cpu" and self.cfg.cpu.bind_cores == "auto",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import ray
@@ -38,20 +39,35 @@ class TierError(RuntimeError):
     """A store could not start; the message says what to check."""
 
 
+def free_port() -> int:
+    """A TCP port free on this node right now."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 class CpuTier:
-    def __init__(self, cfg: TandemConfig, namespace: str, gcs_address: str) -> None:
+    def __init__(self, cfg: TandemConfig, namespace: str) -> None:
+        """Runs in the pool manager, on the head node like the index: so a port free here is
+        the index's to take (`cpu_tier.index_port` unset), and a restarted index takes it again."""
         self.cfg = cfg
         self.namespace = namespace
-        self.gcs_address = gcs_address
         self.app = cfg.serve.app_name
-        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app), resources=ON_HEAD_NODE).remote(self.app, namespace)
+        port = cfg.cpu_tier.index_port or free_port()
+        self.index: Any = KVIndexActor.options(name=index_actor_name(self.app), resources=ON_HEAD_NODE).remote(
+            self.app, namespace, channel_port=port)
+        # Where engines reach the index (known once it has started, see `ensure_store`).
+        self.index_address: str | None = None
         self.stores: dict[str, Any] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
         # Stores of nodes that left the cluster, not yet forgotten by the index.
         self._lost: set[str] = set()
 
     async def ensure_store(self, node_id: str) -> None:
-        """Start the store of `node_id` unless it runs (concurrent callers share one start)."""
+        """Start the store of `node_id` unless it runs (concurrent callers share one start);
+        every engine start waits for this, so the index's address is learnt here too."""
+        if self.index_address is None:
+            self.index_address = await self.index.get_channel_address.remote()
         if node_id in self.stores:
             return
         if node_id not in self._starting:
@@ -78,10 +94,9 @@ class CpuTier:
     def settings(self, role: Role, node_id: str) -> TierSettings:
         """How an engine of `role` on `node_id` reaches the tier (its node's store)."""
         save_from, load_into = self.cfg.tier_pools()
+        assert self.index_address is not None, "ensure_store runs before any engine of the node starts"
         return TierSettings(
-            ray_address=self.gcs_address,
-            namespace=self.namespace,
-            index_actor=index_actor_name(self.app),
+            index_address=self.index_address,
             store_id=node_id[:12] if role in save_from else None,
             load=role in load_into,
         )

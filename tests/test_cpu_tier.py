@@ -164,7 +164,7 @@ def test_unsized_store_grants_nothing() -> None:
 
 # ---- config and deploy wiring ----
 
-TIER = TierSettings(ray_address="127.0.0.1:6379", namespace="ns", index_actor="tandem:kv-index", store_id="n1")
+TIER = TierSettings(index_address="tcp://10.0.0.1:5700", store_id="n1")
 
 
 def test_the_change_log_tells_followers_what_was_committed_and_what_left() -> None:
@@ -253,43 +253,54 @@ def test_clear_drops_every_block_but_keeps_stores() -> None:
     assert save(index, "s0", [H[2], H[3]]) and index.capacity("s0") == 2
 
 
-# ---- engine processes joining Ray ---------------------------------------------------
+# ---- engine processes and Ray ----------------------------------------------------------
 
 
-def test_an_engine_process_joins_ray_without_the_error_listener_and_still_reaches_the_index(ray_local) -> None:
-    """Ray's error-listener thread busy-polled the GCS from vLLM's worker processes (0.2-0.5
-    core idle); an engine process stops it, and its calls to the tier's actors still work."""
+def test_an_engine_process_reaches_the_index_without_joining_ray(ray_local) -> None:
+    """vLLM's engine processes reach the index on its channel: as Ray drivers they ran Ray's
+    core worker threads and GCS connections beside the forward pass (and Ray's error listener
+    busy-polled the GCS, 0.2-0.5 core idle). A process that is not in the cluster builds both
+    connector roles, looks up a held prefix and saves nothing it was not granted."""
     import subprocess
     import sys
     import textwrap
 
     import ray
 
-    @ray.remote(num_cpus=0)
-    class Echo:
-        def ping(self) -> str:
-            return "pong"
+    from actors.kv_index import KVIndexActor
 
-    echo = Echo.options(name="tandem-test-index", namespace="tandem-test").remote()
-    assert ray.get(echo.ping.remote()) == "pong"
+    index = KVIndexActor.remote()
+    ray.get(index.register_store.remote(endpoint()))
+    ray.get(index.set_slot_bytes.remote(SLOT))
+    ray.get(index.commit.remote(ray.get(index.allocate.remote("s0", [H[0], H[1]], "e0")), True))
+    settings = TierSettings(index_address=ray.get(index.get_channel_address.remote()), store_id="s0")
     code = textwrap.dedent(f"""
-        import threading
+        import time
+        from types import SimpleNamespace
         import ray
-        from actors.kv_store import TierSettings
-        from connectors.offload import IndexLink, _join_ray
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from connectors.offload import TandemCpuTierConnector
 
-        _join_ray(TierSettings(ray_address={ray.get_runtime_context().gcs_address!r}, namespace="tandem-test",
-                               index_actor="tandem-test-index", store_id=None, load=False))
-        index = IndexLink("tandem-test-index", "tandem-test").get()
-        listener = ray._private.worker.global_worker.listener_thread
-        assert not listener.is_alive(), "the error listener still runs"
-        assert "ray_listen_error_messages" not in [t.name for t in threading.enumerate()]
-        assert ray.get(index.ping.remote(), timeout=60) == "pong"
-        ray.shutdown()
+        config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={msgspec.to_builtins(settings)!r},
+                                                                    engine_id="e0"),
+                                 cache_config=SimpleNamespace(block_size={BS}))
+        conn = TandemCpuTierConnector(config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
+        assert conn.index.wait_connected(60)
+        req = SimpleNamespace(request_id="r", block_hashes={H[:3]!r}, num_tokens={3 * BS + 1}, kv_transfer_params=None)
+        conn.on_new_request(req)
+        deadline = time.monotonic() + 60
+        while (matched := conn.get_num_new_matched_tokens(req, 0))[0] is None:
+            assert time.monotonic() < deadline, "no answer from the index"
+        conn.request_finished(req, [])
+        assert matched == ({2 * BS}, True), matched
+        assert not ray.is_initialized(), "the engine process joined Ray"
+        conn.shutdown()
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    unpinned_soon(index)  # request_finished's unpin
+    ray.kill(index)
 
 
 # ---- the connector's scheduler side against a real index actor ------------------------
@@ -312,12 +323,15 @@ def tier_scheduler(ray_local: None) -> Iterator[tuple[Any, Any]]:
     ray.get(index.register_store.remote(endpoint()))
     ray.get(index.set_slot_bytes.remote(SLOT))
     ray.get(index.commit.remote(ray.get(index.allocate.remote("s0", [H[0], H[1]], "e0")), True))
-    settings = TierSettings(ray_address="unused", namespace="tandem-test", index_actor="sched-test-index", load=True)
+    settings = TierSettings(index_address=ray.get(index.get_channel_address.remote()), load=True)
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings), engine_id="e0"),
         cache_config=SimpleNamespace(block_size=BS),
     )
-    yield TandemCpuTierConnector(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64)), index
+    conn = TandemCpuTierConnector(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
+    assert conn.index.wait_connected(60)
+    yield conn, index
+    conn.shutdown()
     ray.kill(index)
 
 
@@ -325,6 +339,14 @@ def ray_get(ref: Any) -> Any:
     import ray
 
     return ray.get(ref, timeout=60)
+
+
+def unpinned_soon(index: Any) -> None:
+    """Until the index holds no pins (an unpin is sent without an answer)."""
+    deadline = time.monotonic() + 10
+    while ray_get(index.get_stats.remote()).num_pinned:
+        assert time.monotonic() < deadline, "pins were not released"
+        time.sleep(0.02)
 
 
 def request(req_id: str, hashes: list[bytes], kv_transfer_params: dict[str, Any] | None = None) -> SimpleNamespace:
@@ -338,7 +360,7 @@ def arrived(conn: Any, index: Any, req_id: str, num_blocks: int = 3) -> SimpleNa
     returns once the index has served its lookup."""
     req = request(req_id, H[:num_blocks])
     conn.on_new_request(req)
-    ray_get(index.get_stats.remote())  # the actor runs calls in order: the lookup is answered
+    conn.index.wait([conn._lookups[req_id].call], 10)  # answered, as an arrival a few ms before scheduling is
     return req
 
 
@@ -369,7 +391,7 @@ def test_a_local_hit_longer_than_the_tier_run_is_a_miss(tier_scheduler: tuple[An
     req = arrived(conn, index, "longer-local")
     assert conn.get_num_new_matched_tokens(req, 2 * BS) == (0, False)
     conn.request_finished(req, [10, 11, 12])
-    assert ray_get(index.get_stats.remote()).num_pinned == 0  # request_finished released the lookup's pins
+    unpinned_soon(index)  # request_finished released the lookup's pins
 
 
 def test_a_request_seen_first_by_the_scheduler_is_answered_once_the_index_replies(tier_scheduler: tuple[Any, Any]) -> None:
@@ -398,7 +420,7 @@ def test_a_request_whose_router_knows_the_tier_holds_none_of_it_asks_the_index_n
     conn.request_finished(req, [])
     req = request("told-some", H[:3], {TIER_HINT: 2})
     conn.on_new_request(req)
-    ray_get(index.get_stats.remote())
+    conn.index.wait([conn._lookups[req.request_id].call], 10)
     assert conn.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
     assert ray_get(index.get_stats.remote()).num_lookups == lookups + 1
     conn.request_finished(req, [])
@@ -434,7 +456,8 @@ def test_only_a_request_holding_pins_costs_the_index_an_unpin_when_it_ends(tier_
         conn.update_state_after_alloc(cut, SimpleNamespace(get_block_ids=lambda: [[10, 11, 12]]), 2 * BS)
         assert ray_get(index.get_stats.remote()).num_pinned > 0
         conn.request_finished(cut, [10, 11, 12])
-        assert unpinned[-1] == "ends-mid-load" and ray_get(index.get_stats.remote()).num_pinned == 0
+        assert unpinned[-1] == "ends-mid-load"
+        unpinned_soon(index)
     finally:
         del conn._unpin
         conn.build_connector_meta(SimpleNamespace())  # drop the planned loads
@@ -488,11 +511,12 @@ def test_a_corrupting_connector_fails_only_marked_requests_from_the_given_block(
     ray_get(index.register_store.remote(endpoint("faults", slots=len(held))))
     ray_get(index.commit.remote(ray_get(index.allocate.remote("faults", held, "e0")), True))
     faulty = CorruptingCpuTierConnector(conn._vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
+    assert faulty.index.wait_connected(60)
     slots = {}
     for req_id in ("plain", "x-tierfail-1"):
         req = request(req_id, held)
         faulty.on_new_request(req)
-        ray_get(index.get_stats.remote())
+        faulty.index.wait([faulty._lookups[req_id].call], 10)
         assert faulty.get_num_new_matched_tokens(req, 0) == (len(held) * BS, True)
         slots[req_id] = [loc.slot for loc in faulty._lookups[req_id].locations]
         faulty.request_finished(req, [])

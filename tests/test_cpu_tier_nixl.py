@@ -11,6 +11,8 @@ import pytest
 import ray
 import torch
 
+from actors.kv_index import Lookup
+from connectors.index_client import IndexClient
 from connectors.offload_worker import CpuTierWorker
 
 NUM_BLOCKS = 8
@@ -45,10 +47,11 @@ def kv_caches() -> dict[str, torch.Tensor]:
     return caches
 
 
-def save(worker: CpuTierWorker, hashes: list[bytes], block_ids: list[int]) -> None:
-    ref = worker.request_slots(hashes)
-    ray.wait([ref], timeout=60)
-    worker.save([(block_ids, hashes, ref)], block_size=16)
+def save(worker: CpuTierWorker, client: IndexClient, hashes: list[bytes], block_ids: list[int]) -> None:
+    call = worker.request_slots(hashes)
+    assert call is not None
+    client.wait([call], 60)
+    worker.save([(block_ids, hashes, call)], block_size=16)
 
 
 def load(worker: CpuTierWorker, req_id: str, block_ids: list[int], locations: list[Any]) -> set[int]:
@@ -64,13 +67,16 @@ def load(worker: CpuTierWorker, req_id: str, block_ids: list[int], locations: li
 def test_saved_blocks_load_back_and_a_killed_store_fails_loads_then_serves_again(tier: tuple[Any, Any, str]) -> None:
     index, store, store_id = tier
     caches = kv_caches()
-    worker = CpuTierWorker(lambda: index, store_id, "e@1")
+    client = IndexClient(ray.get(index.get_channel_address.remote()))
+    worker = CpuTierWorker(client, store_id, "e@1")
     worker.register_kv_caches(caches, NUM_BLOCKS)
     hashes = [b"h-one", b"h-two"]
 
-    save(worker, hashes, [1, 2])  # the grant brings the store's endpoint: no fetch, no skip
+    save(worker, client, hashes, [1, 2])  # the grant brings the store's endpoint: no fetch, no skip
     assert worker.take_counters()["bytes_saved"] == 2 * SLOT
-    locations = ray.get(index.lookup.remote("e@1/r1", hashes)).locations
+    lookup = client.call(Lookup("e@1/r1", hashes))  # after the commit: one socket keeps the order
+    assert client.wait([lookup], 60)
+    locations = client.result(lookup).locations
     assert len(locations) == 2
     assert load(worker, "r1", [5, 6], locations) == set()
     for cache in caches.values():
@@ -91,5 +97,6 @@ def test_saved_blocks_load_back_and_a_killed_store_fails_loads_then_serves_again
     assert load(worker, "r2", [5, 6], locations) == {5, 6}  # the dead pool fails the load...
     assert time.monotonic() - t0 < 10  # ...at once, it does not hang
 
-    save(worker, [b"h-three"], [3])  # the new incarnation's endpoint comes with the grant
+    save(worker, client, [b"h-three"], [3])  # the new incarnation's endpoint comes with the grant
     assert worker.take_counters()["bytes_saved"] == SLOT
+    client.close()

@@ -1,7 +1,8 @@
 """Specification of the CPU tier worker's safety under faults, against a scripted NIXL agent and
-a scripted index (real Ray object refs, no engine): the engine step never waits long, and no
-memory a transfer may still touch is handed on. Ends with the index actor's restart, with a
-real store registered."""
+a scripted index channel (no engine): the engine step never waits long, and no memory a
+transfer may still touch is handed on. Ends with the real index actor over its real channel:
+engine start against a dead or mismatched index, and the index's restart with a real store
+registered, which engines reach again on the same address."""
 
 from __future__ import annotations
 
@@ -15,18 +16,14 @@ import pytest
 import ray
 import torch
 
-from actors.kv_index import BlockLocation, Grant, StoreEndpoint
-from connectors.offload_worker import GRANT_WAIT_S, STUCK_TRANSFER_S, WRITE_TIMEOUT_S, CpuTierWorker
+from actors.kv_index import Allocate, BlockLocation, Commit, Endpoint, Grant, SetSlotBytes, StoreEndpoint
+from connectors.index_client import IndexClient
+from connectors.offload_worker import GRANT_WAIT_S, SLOT_BYTES_WAIT_S, STUCK_TRANSFER_S, WRITE_TIMEOUT_S, CpuTierWorker
 
 NUM_BLOCKS = 8
 PAGE = 64  # bytes of one block of one layer; two layers, so a slot is 128 bytes
 SLOT = 2 * PAGE
 STORE = StoreEndpoint("s0", "node", "i0", b"store-agent", 0x10000, 16 * SLOT)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _ray(ray_local: None) -> None:
-    """Every test here needs Ray object refs."""
 
 
 class Clock:
@@ -91,38 +88,63 @@ class FakeAgent:
         self.released.append(handle)
 
 
-@ray.remote(num_cpus=0)
-def _answer_later(value: Any, delay_s: float) -> Any:
-    time.sleep(delay_s)
-    return value
-
-
 class _Method:
-    """An actor method answering `answer`, after `delay_s` (0: at once); records its calls."""
+    """One kind of call on the index's channel: answers `answer` `delay_s` after it is made (0:
+    at once) and records the requests."""
 
     def __init__(self, answer: Any = None, delay_s: float = 0.0) -> None:
         self.answer = answer
         self.delay_s = delay_s
-        self.calls: list[tuple[Any, ...]] = []
-        self.refs: list[Any] = []
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-        self.refs.append(_answer_later.remote(self.answer, self.delay_s) if self.delay_s else ray.put(self.answer))
-        return self.refs[-1]
-
-    def wait_answered(self) -> None:
-        ray.wait(self.refs, num_returns=len(self.refs), timeout=60)
+        self.calls: list[Any] = []
 
 
 class FakeIndex:
-    """The index actor's methods the worker calls; each answers as configured and records calls."""
+    """The index's channel as the worker uses it (``IndexClient``'s calls), with each kind of
+    call answering as configured, in real time."""
 
     def __init__(self) -> None:
         self.endpoint = _Method(STORE)
         self.allocate = _Method()
         self.commit = _Method()
         self.set_slot_bytes = _Method()
+        self._ids = itertools.count(1)
+        self._due: dict[int, tuple[float, Any]] = {}  # call id -> (answered at, answer)
+
+    def _method(self, request: Any) -> _Method:
+        return {Endpoint: self.endpoint, Allocate: self.allocate, Commit: self.commit,
+                SetSlotBytes: self.set_slot_bytes}[type(request)]
+
+    def wait_connected(self, timeout: float) -> bool:
+        return True
+
+    def call(self, request: Any) -> int:
+        method = self._method(request)
+        method.calls.append(request)
+        call_id = next(self._ids)
+        self._due[call_id] = (time.monotonic() + method.delay_s, method.answer)
+        return call_id
+
+    def send(self, request: Any) -> bool:
+        self._method(request).calls.append(request)
+        return True
+
+    def wait(self, call_ids: Any, timeout: float) -> set[int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            done = {c for c in call_ids if c in self._due and self._due[c][0] <= time.monotonic()}
+            if len(done) == len(call_ids) or time.monotonic() >= deadline:
+                return done
+            time.sleep(0.001)
+
+    def result(self, call_id: int) -> Any:
+        return self._due.pop(call_id)[1]
+
+    def forget(self, call_id: int) -> None:
+        self._due.pop(call_id, None)
+
+    def wait_answered(self) -> None:
+        """Until every call made so far has its answer."""
+        time.sleep(max([0.0] + [due - time.monotonic() for due, _ in self._due.values()]))
 
 
 def grant(slots: list[int], endpoint: StoreEndpoint | None = None) -> Grant:
@@ -141,26 +163,27 @@ def kv_caches() -> dict[str, torch.Tensor]:
 def worker_with(index: FakeIndex, agent: FakeAgent, clock: Clock, knows_store: bool = True) -> CpuTierWorker:
     """A started worker saving to STORE; `knows_store`: it has learnt STORE's endpoint (from a
     first load, which failed for want of it)."""
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=agent, clock=clock)
+    worker = CpuTierWorker(index, "s0", "e@1", agent=agent, clock=clock)  # type: ignore[arg-type]
     worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
     if knows_store:
         worker.start_load("warm-up", [0], [loc(0)])
-        index.endpoint.wait_answered()
+        index.wait_answered()
         assert worker.poll() == {"warm-up"} and worker.take_error_blocks() == {0}
     return worker
 
 
 def commits(index: FakeIndex) -> list[bool]:
-    return [ok for _, ok in index.commit.calls]
+    return [call.ok for call in index.commit.calls]
 
 
 def save_one(worker: CpuTierWorker, index: FakeIndex, slots: list[int]) -> None:
     """One step's save of len(slots) blocks, whose grant (of `slots`) is in by wait_for_save."""
     index.allocate.answer = grant(slots)
     hashes = [bytes([s]) for s in slots]
-    ref = worker.request_slots(hashes)
-    ray.wait([ref])
-    worker.save([(list(range(len(slots))), hashes, ref)], block_size=16)
+    call = worker.request_slots(hashes)
+    assert call is not None
+    index.wait([call], 10)
+    worker.save([(list(range(len(slots))), hashes, call)], block_size=16)
 
 
 # ---- saves ----
@@ -172,17 +195,19 @@ def test_a_write_that_ends_commits_its_grant() -> None:
     save_one(worker, index, [3])
     assert commits(index) == [True] and agent.released == [1]
     # The owner, the slot size (for an index that restarted empty), the store incarnation known.
-    assert index.allocate.calls[0][2:] == ("e@1", SLOT, "i0")
+    (asked,) = index.allocate.calls
+    assert (asked.owner, asked.slot_bytes, asked.known_incarnation) == ("e@1", SLOT, "i0")
 
 
 def test_the_first_grant_brings_the_endpoint_of_the_store() -> None:
     index, agent = FakeIndex(), FakeAgent()
     worker = worker_with(index, agent, Clock(tick=0.001), knows_store=False)
     index.allocate.answer = grant([3], endpoint=STORE)
-    ref = worker.request_slots([b"\x03"])
-    ray.wait([ref])
-    worker.save([([0], [b"\x03"], ref)], block_size=16)
-    assert index.allocate.calls[0][4] is None  # it asked as a worker knowing no incarnation
+    call = worker.request_slots([b"\x03"])
+    assert call is not None
+    index.wait([call], 10)
+    worker.save([([0], [b"\x03"], call)], block_size=16)
+    assert index.allocate.calls[0].known_incarnation is None  # it asked as a worker knowing no incarnation
     assert index.endpoint.calls == [] and commits(index) == [True]
 
 
@@ -198,7 +223,7 @@ def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
     from actors.kv_store import TierSettings
     from connectors.offload import SaveJob, TandemCpuTierConnector, TierMetadata
 
-    settings = TierSettings(ray_address="unused", namespace="tandem-test", index_actor="no-index", store_id="s0")
+    settings = TierSettings(index_address="tcp://127.0.0.1:9", store_id="s0")
     config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings),
                                                                 engine_id="e1"),
                              cache_config=SimpleNamespace(block_size=16))
@@ -211,7 +236,7 @@ def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
     conn.handle_preemptions(TierMetadata())
     conn.bind_connector_metadata(TierMetadata(saves=[SaveJob([2, 3], [bytes([5]), bytes([6])])]))
     conn.wait_for_save()  # the forward pass that computed blocks 2 and 3 has ended
-    assert writes() == [] and commits(index) == [] and index.allocate.calls == []  # not even a Ray call yet
+    assert writes() == [] and commits(index) == [] and index.allocate.calls == []  # not even a slot asked for yet
     conn.clear_connector_metadata()
     conn.handle_preemptions(TierMetadata())  # the next step, before it can touch the KV cache
     (local,) = writes()
@@ -253,12 +278,12 @@ def test_a_grant_missing_its_step_is_skipped_and_given_back_when_it_arrives() ->
     index, agent = FakeIndex(), FakeAgent()
     worker = worker_with(index, agent, Clock(tick=0.001))
     index.allocate = _Method(grant([3]), delay_s=0.5)
-    ref = worker.request_slots([b"\x03"])
+    call = worker.request_slots([b"\x03"])
     t0 = time.perf_counter()
-    worker.save([([0], [b"\x03"], ref)], block_size=16)
+    worker.save([([0], [b"\x03"], call)], block_size=16)
     assert time.perf_counter() - t0 < GRANT_WAIT_S + 0.1  # the step did not wait for the index
     assert agent.posted == {} and commits(index) == []
-    index.allocate.wait_answered()
+    index.wait_answered()
     worker.poll()
     assert agent.posted == {} and commits(index) == [False]
 
@@ -299,7 +324,7 @@ def test_a_load_ends_only_when_every_transfer_of_it_has_ended() -> None:
     worker = worker_with(index, agent, Clock())
     index.endpoint = _Method(other)
     worker.start_load("r0", [5], [loc(0, other)])  # fails (unknown store) and fetches its endpoint
-    index.endpoint.wait_answered()
+    index.wait_answered()
     assert worker.poll() == {"r0"} and worker.take_error_blocks() == {5}
     agent.script = ["PROC"]
     worker.start_load("r1", [5, 6], [loc(0), loc(0, other)])
@@ -318,7 +343,7 @@ def test_a_load_from_an_unknown_store_fails_at_once_and_fetches_the_endpoint() -
     worker.start_load("r1", [5, 6], [loc(0), loc(1)])
     assert worker.poll() == {"r1"} and worker.take_error_blocks() == {5, 6}
     assert time.perf_counter() - t0 < 0.2 and agent.posted == {}
-    index.endpoint.wait_answered()
+    index.wait_answered()
     worker.poll()  # the endpoint is taken in, for the next load
     worker.start_load("r2", [5, 6], [loc(0), loc(1)])
     assert len(agent.posted) == 1 and worker.poll() == {"r2"} and worker.take_error_blocks() == set()
@@ -345,7 +370,7 @@ def test_a_new_store_incarnation_retires_the_old_agent_once_its_transfers_end() 
     restarted = StoreEndpoint("s0", "node", "i1", b"store-agent-2", 0x10000, 16 * SLOT)
     index.endpoint = _Method(restarted)
     worker.start_load("r2", [6], [loc(0, restarted)])  # an unknown incarnation: fails, fetched
-    index.endpoint.wait_answered()
+    index.wait_answered()
     worker.poll()
     assert agent.removed == []  # r1's READ still uses the old agent
     agent.end(1, "RAISE")
@@ -356,25 +381,66 @@ def test_a_new_store_incarnation_retires_the_old_agent_once_its_transfers_end() 
 # ---- engine start ----
 
 
-def test_engine_start_survives_a_dead_index() -> None:
+def test_engine_start_survives_a_dead_index(ray_local: None) -> None:
     from actors.kv_index import KVIndexActor
 
     index = KVIndexActor.remote()
+    address = ray.get(index.get_channel_address.remote())
     ray.kill(index, no_restart=True)
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=FakeAgent(), clock=Clock())
+    deadline = time.monotonic() + 60
+    while True:  # until it is gone, with its channel (the kill lands asynchronously)
+        try:
+            ray.get(index.get_channel_address.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the index was not killed"
+        time.sleep(0.05)
+    client = IndexClient(address)
+    t0 = time.perf_counter()
+    worker = CpuTierWorker(client, "s0", "e@1", agent=FakeAgent(), clock=Clock())
     worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
     assert worker.slot_bytes == SLOT
+    assert time.perf_counter() - t0 < SLOT_BYTES_WAIT_S + 5  # gave up after its bound
+    client.close()
 
 
-def test_engine_start_fails_when_its_blocks_do_not_fit_the_tier() -> None:
+def test_engine_start_fails_when_its_blocks_do_not_fit_the_tier(ray_local: None) -> None:
     from actors.kv_index import KVIndexActor
 
     index = KVIndexActor.remote()
     ray.get(index.set_slot_bytes.remote(SLOT * 2))
-    worker = CpuTierWorker(lambda: index, "s0", "e@1", agent=FakeAgent(), clock=Clock())
+    client = IndexClient(ray.get(index.get_channel_address.remote()))
+    worker = CpuTierWorker(client, "s0", "e@1", agent=FakeAgent(), clock=Clock())
     with pytest.raises(ValueError, match="same model"):
         worker.register_kv_caches(kv_caches(), NUM_BLOCKS)
+    client.close()
     ray.kill(index)
+
+
+def test_a_call_the_index_never_answers_fails_after_its_bound_and_a_forgotten_one_is_dropped() -> None:
+    """An index that dies with calls in flight never answers them: each fails after
+    CALL_TIMEOUT_S, so nothing the engine waits on (an endpoint fetch, a late grant) stays
+    open for ever. (A socket that reads and never answers stands in for the dying index.)"""
+    import zmq
+
+    from actors.kv_index import Lookup
+    from connectors.index_client import CALL_TIMEOUT_S, IndexCallError
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    clock = Clock()
+    client = IndexClient(f"tcp://127.0.0.1:{port}", clock=clock)
+    assert client.wait_connected(60)
+    lost, dropped = client.call(Endpoint("s0")), client.call(Lookup("e@1/r", [b"h"]))
+    assert silent.poll(10_000) and client.wait([lost], 0) == set()
+    client.forget(dropped)
+    clock.now += CALL_TIMEOUT_S + 1
+    assert client.wait([lost], 0) == {lost}
+    with pytest.raises(IndexCallError, match="did not answer"):
+        client.result(lost)
+    assert client._pending == {} and client._answers == {}  # nothing kept for the dropped one
+    client.close()
+    silent.close(linger=0)
 
 
 # ---- the index actor's restart ----
@@ -383,16 +449,18 @@ RESTART_QUARANTINE_S = 3.0
 
 
 @pytest.fixture
-def tier_actors() -> Iterator[tuple[Any, Any, str]]:
-    """An index (restart quarantine shortened to RESTART_QUARANTINE_S) with a real store of a
-    small pool, both named as a deployment names them."""
+def tier_actors(ray_local: None) -> Iterator[tuple[Any, Any, str]]:
+    """An index (restart quarantine shortened to RESTART_QUARANTINE_S, its channel on a port
+    chosen as a deployment chooses it) with a real store of a small pool, both named as a
+    deployment names them."""
     from actors.kv_index import KVIndexActor
     from actors.kv_index import index_actor_name, store_actor_name
     from actors.kv_store import KVStoreActor
+    from orchestrator.tier import free_port
 
     app, namespace = "restart-test", "tandem-test"
     index = KVIndexActor.options(name=index_actor_name(app), namespace=namespace).remote(
-        app, namespace, restart_quarantine_s=RESTART_QUARANTINE_S
+        app, namespace, restart_quarantine_s=RESTART_QUARANTINE_S, channel_port=free_port()
     )
     node_id = ray.get_runtime_context().get_node_id()
     store = KVStoreActor.options(name=store_actor_name(app, node_id), namespace=namespace).remote(
@@ -404,13 +472,25 @@ def tier_actors() -> Iterator[tuple[Any, Any, str]]:
     ray.kill(index, no_restart=True)
 
 
+def channel_call(client: IndexClient, request: Any) -> Any:
+    client.wait_connected(10)
+    call = client.call(request)
+    assert client.wait([call], 10) == {call}
+    return client.result(call)
+
+
 def test_a_killed_index_comes_back_finds_its_store_and_grants_after_its_quarantine(
     tier_actors: tuple[Any, Any, str],
 ) -> None:
+    """An engine's channel to the index, connected before the kill, reaches the restarted index
+    on the same address without being told."""
+    from connectors.index_client import IndexCallError
+
     index, store, store_id = tier_actors
-    saved = ray.get(index.allocate.remote(store_id, [b"h0"], "e@1", SLOT))
-    ray.get(index.commit.remote(saved, True))
-    unsettled = ray.get(index.allocate.remote(store_id, [b"h1"], "e@1", SLOT))
+    client = IndexClient(ray.get(index.get_channel_address.remote()))
+    saved = channel_call(client, Allocate(store_id, [b"h0"], "e@1", SLOT))
+    client.send(Commit(saved, True))
+    unsettled = channel_call(client, Allocate(store_id, [b"h1"], "e@1", SLOT))
 
     killed = time.monotonic()
     ray.kill(index, no_restart=False)
@@ -423,10 +503,17 @@ def test_a_killed_index_comes_back_finds_its_store_and_grants_after_its_quaranti
             pass
         assert time.monotonic() < killed + 60, "the index did not come back empty with its store"
         time.sleep(0.2)
-    assert ray.get(index.endpoint.remote(store_id)) == ray.get(store.info.remote())
-    ray.get(index.commit.remote(unsettled, True))  # a grant of its previous life settles nothing
-    while (granted := ray.get(index.allocate.remote(store_id, [b"h2"], "e@1", SLOT))) is None:
+    while True:  # libzmq reconnects by itself; calls made before that fail at once
+        try:
+            assert channel_call(client, Endpoint(store_id)) == ray.get(store.info.remote())
+            break
+        except IndexCallError:
+            assert time.monotonic() < killed + 60, "the engine's channel never reached the restarted index"
+            time.sleep(0.1)
+    client.send(Commit(unsettled, True))  # a grant of its previous life settles nothing
+    while (granted := channel_call(client, Allocate(store_id, [b"h2"], "e@1", SLOT))) is None:
         assert time.monotonic() < killed + 60, "the restarted index never granted again"
         time.sleep(0.1)
     assert time.monotonic() - killed >= RESTART_QUARANTINE_S  # (the quarantine itself: test_cpu_tier_leases)
     assert granted.hashes == [b"h2"] and ray.get(index.get_stats.remote()).num_blocks == 1
+    client.close()

@@ -165,6 +165,9 @@ def test_engine_port_ranges_may_not_overlap() -> None:
         parse_config({"serve": {"token_path_base_port": 65535}})
     cfg = parse_config({"serve": {"token_path_base_port": 5602}})  # 5600-5601 and 5602-5603
     assert cfg.serve.token_path_base_port == 5602
+    with pytest.raises(ConfigError, match=r"`cpu_tier.index_port` \(8000\) overlaps `serve.port` \(8000\)"):
+        parse_config({"cpu_tier": {"index_port": 8000}})
+    assert parse_config({"cpu_tier": {"index_port": 5700}}).cpu_tier.index_port == 5700
 
 
 # ---- the operator's view -----------------------------------------------------------------
