@@ -128,6 +128,7 @@ class TierChanges(msgspec.Struct, frozen=True):
     # Where the index publishes its changes as they happen (ZMQ PUB); set on Ray answers.
     feed: str = ""
 
+
 # ---- the index's channel: what engines send it, over ZMQ (``KVIndexActor.channel_address``)
 
 
@@ -652,15 +653,16 @@ class KVIndexActor:
         """Answer engines' calls, in the order each engine sent them, for the process's life."""
         decoder = msgspec.msgpack.Decoder(IndexCall)
         while True:
-            peer, payload = self._channel.recv_multipart()
+            frames = self._channel.recv_multipart()
             try:
+                peer, payload = frames
                 call = decoder.decode(payload)
-            except msgspec.DecodeError as err:
+            except (ValueError, msgspec.DecodeError) as err:
                 logger.warning("CPU tier index: dropped a call it cannot read (%s); an engine of another "
                                "Tandem version?", err)
                 continue
             answer = self._answer(call)
-            if call.call_id:
+            if call.call_id:  # a caller that left meanwhile is dropped by the ROUTER socket
                 self._channel.send_multipart([peer, self._encoder.encode(answer)])
 
     def _answer(self, call: IndexCall) -> IndexAnswer:

@@ -48,8 +48,9 @@ def make_nixl_agent(
     sync_mode: SyncMode = "none",
     capture_telemetry: bool = False,
     api_module: str = "nixl._api",
+    progress_delay_us: int = PROGRESS_DELAY_US,
 ) -> Any:
-    """A NIXL agent; a progress thread, if asked for, sleeps PROGRESS_DELAY_US between polls.
+    """A NIXL agent; a progress thread, if asked for, sleeps `progress_delay_us` between polls.
     `sync_mode` "none" suits an agent one thread calls; vLLM's connector calls its agent from
     its handshake thread too ("strict" or "rw"). `api_module` is the NIXL Python API to use
     (the connector passes the one vLLM picked for the platform)."""
@@ -60,7 +61,7 @@ def make_nixl_agent(
         "strict": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         "rw": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
     }[sync_mode]
-    cls = _agent_class(api_module, PROGRESS_DELAY_US) if progress_thread else api.nixl_agent
+    cls = _agent_class(api_module, progress_delay_us) if progress_thread else api.nixl_agent
     return cls(name, api.nixl_agent_config(**kwargs))
 
 

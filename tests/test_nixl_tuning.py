@@ -87,6 +87,34 @@ def test_a_progress_thread_sleeps_between_polls_and_no_other_agent_is_touched() 
     assert share < 0.5, f"the process used {share:.0%} of a core while idle: a progress thread busy-polls"
 
 
+def test_the_stores_progress_thread_wakes_rarely_while_idle() -> None:
+    """The CPU tier store's agent polls every STORE_PROGRESS_DELAY_US unprompted (a transfer
+    wakes it through UCX's event descriptor); at NIXL's 1 ms floor its thread woke ~900 times
+    a second and preempted the engines' compute threads."""
+    import os
+    import time
+
+    from actors.kv_store import STORE_PROGRESS_DELAY_US
+
+    def wakeups() -> dict[str, int]:
+        counts = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status") as status:
+                counts[tid] = next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt"))
+        return counts
+
+    before = set(wakeups())
+    store_like = make_nixl_agent("tandem-test-store", progress_thread=True, progress_delay_us=STORE_PROGRESS_DELAY_US)
+    time.sleep(0.2)
+    start = {tid: n for tid, n in wakeups().items() if tid not in before}
+    assert start, "the agent started no thread"
+    time.sleep(1.0)
+    end = wakeups()
+    woke = max(end[tid] - n for tid, n in start.items())
+    assert woke < 5 * 1_000_000 / STORE_PROGRESS_DELAY_US, f"a progress thread woke {woke} times in 1 s while idle"
+    del store_like
+
+
 def test_settings_come_from_the_extra_config_key_or_default() -> None:
     assert settings_from_extra_config(None) == NixlConfig()
     assert settings_from_extra_config({"other": 1}) == NixlConfig()
