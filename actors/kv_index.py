@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -64,6 +65,8 @@ PIN_LEASE_S = 120.0
 RESTART_QUARANTINE_S = 30.0
 # How often a restarted index retries finding the deployment's stores when the search fails.
 STORE_SEARCH_RETRY_S = 5.0
+# How long the index keeps trying to listen on its channel's port when it is taken.
+CHANNEL_BIND_WAIT_S = 30.0
 # Changes of what the tier holds kept for followers (``KVIndex.changes``); one further
 # behind gets everything held instead.
 CHANGE_LOG_LEN = 100_000
@@ -225,6 +228,8 @@ class IndexStats(msgspec.Struct):
     num_expired_grants: int = 0
     # store id -> (blocks held, capacity in slots)
     stores: dict[str, tuple[int, int]] = {}
+    # The index actor's process (what a fault drill kills); 0 from the plain KVIndex.
+    pid: int = 0
 
 
 class _Entry:
@@ -632,11 +637,7 @@ class KVIndexActor:
         self._channel.setsockopt(zmq.SNDHWM, 0)
         self._channel.setsockopt(zmq.RCVHWM, 0)
         if channel_port:
-            try:
-                self._channel.bind(f"tcp://{bind_host}:{channel_port}")
-            except zmq.ZMQError as err:
-                raise OSError(f"the CPU tier index cannot listen on {host}:{channel_port} ({err}); fix: free the "
-                              "port, or set cpu_tier.index_port to one no other process on the node uses") from None
+            self._bind_channel(bind_host, channel_port)
         else:
             channel_port = self._channel.bind_to_random_port(f"tcp://{bind_host}")
         self.channel_address = f"tcp://{bind_host}:{channel_port}"
@@ -648,6 +649,20 @@ class KVIndexActor:
             if app_name is not None:
                 self._store_search = _StoreSearch(app_name, namespace or ray.get_runtime_context().namespace)
         threading.Thread(target=self._serve_channel, name="tier-index-channel", daemon=True).start()
+
+    def _bind_channel(self, bind_host: str, port: int) -> None:
+        """Listen on `port`, retrying for a while: after a crash the port may still be held for
+        a moment, and a restarted actor whose constructor fails is not restarted again."""
+        deadline = time.monotonic() + CHANNEL_BIND_WAIT_S
+        while True:
+            try:
+                self._channel.bind(f"tcp://{bind_host}:{port}")
+                return
+            except zmq.ZMQError as err:
+                if time.monotonic() >= deadline:
+                    raise OSError(f"the CPU tier index cannot listen on {bind_host}:{port} ({err}); fix: free the "
+                                  "port, or set cpu_tier.index_port to one no other process on the node uses") from None
+                time.sleep(0.2)
 
     def _serve_channel(self) -> None:
         """Answer engines' calls, in the order each engine sent them, for the process's life."""
@@ -748,7 +763,9 @@ class KVIndexActor:
     @_locked
     def get_stats(self) -> IndexStats:
         self._adopt_stores()
-        return self.index.get_stats()
+        stats = self.index.get_stats()
+        stats.pid = os.getpid()
+        return stats
 
     def get_channel_address(self) -> str:
         return self.channel_address

@@ -1,6 +1,7 @@
 """The fault matrix, for real: a 1P1D deployment (Ray, two vLLM engines, NIXL, the CPU tier,
-Serve, the openai client) under a bounded load while real processes are SIGKILLed, a KV load
-fails, clients leave at every phase, and the decode pool grows and shrinks.
+Serve, the openai client) under a bounded load while real processes (engines, the CPU tier's
+store and index) are SIGKILLed, a KV load fails, clients leave at every phase, and the decode
+pool grows and shrinks.
 
 After each fault: every request completed with the text an undisturbed run gives, nothing
 leaked (engine KV, the tier's pins, requests in flight), and the pool is back at full
@@ -340,6 +341,41 @@ def test_killing_the_cpu_tier_store_under_load_loses_no_request(pd: Running, ref
 def _store_incarnation(store: Any) -> str | None:
     try:
         return ray.get(store.stats.remote(), timeout=5).incarnation
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
+
+
+def test_killing_the_cpu_tier_index_under_load_loses_no_request_and_engines_reach_it_again(
+    pd: Running, reference: dict
+) -> None:
+    """The index dies with engines' calls in flight on its channel; Ray restarts it on the same
+    port and the engines' sockets reconnect by themselves: once its restart quarantine is
+    over, the prefill engine's saves land in it again."""
+    from actors.kv_index import RESTART_QUARANTINE_S
+
+    index = pd.deployment.kv_index
+    old, expected = ray.get(index.get_stats.remote()).pid, restarts(pd)
+    indices = list(range(24))
+    results = load(pd, indices, concurrency=3, during=lambda: kill(old), delay_s=0.3)
+    check_answers(results, reference, indices)
+    wait_until(lambda: _index_pid(index) not in (None, old), RECOVERY_TIMEOUT_S, "the index restarted")
+    full_strength(pd, expected)  # the engines never noticed
+    fresh = iter(range(10_000))
+
+    def saved_again() -> bool:
+        n = next(fresh)
+        tokens = [30 + (k * 11 + n) % 300 for k in range(300)]  # two full blocks, new each time
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
+        assert httpx.post(f"{pd.url}/completions", json=body, timeout=60).status_code == 200
+        return ray.get(index.get_stats.remote(), timeout=10).num_saved_blocks > 0
+
+    wait_until(saved_again, RESTART_QUARANTINE_S + 60, "the engines saved into the restarted index")
+    nothing_leaked(pd)
+
+
+def _index_pid(index: Any) -> int | None:
+    try:
+        return ray.get(index.get_stats.remote(), timeout=5).pid
     except (ray.exceptions.RayError, TimeoutError):
         return None
 
