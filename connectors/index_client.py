@@ -161,6 +161,8 @@ class IndexClient:
                     f"the CPU tier index at {self.address} did not answer within {CALL_TIMEOUT_S:.0f} s")
 
     def close(self) -> None:
+        if self._sock.closed:
+            return
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
