@@ -333,14 +333,16 @@ def test_killing_the_cpu_tier_store_under_load_loses_no_request(pd: Running, ref
     indices = list(range(24))
     results = load(pd, indices, concurrency=3, during=lambda: kill(old.pid), delay_s=0.3)
     check_answers(results, reference, indices)
-    wait_until(lambda: _store_incarnation(store) not in (None, old.incarnation), RECOVERY_TIMEOUT_S, "the store restarted")
+    wait_until(lambda: getattr(_answer_or_none(store.stats), "incarnation", old.incarnation) != old.incarnation,
+               RECOVERY_TIMEOUT_S, "the store restarted")
     full_strength(pd, expected)  # the engines never noticed
     nothing_leaked(pd)
 
 
-def _store_incarnation(store: Any) -> str | None:
+def _answer_or_none(method: Any) -> Any:
+    """An actor method's answer, or None while the actor is dead or restarting."""
     try:
-        return ray.get(store.stats.remote(), timeout=5).incarnation
+        return ray.get(method.remote(), timeout=5)
     except (ray.exceptions.RayError, TimeoutError):
         return None
 
@@ -358,7 +360,7 @@ def test_killing_the_cpu_tier_index_under_load_loses_no_request_and_engines_reac
     indices = list(range(24))
     results = load(pd, indices, concurrency=3, during=lambda: kill(old), delay_s=0.3)
     check_answers(results, reference, indices)
-    wait_until(lambda: _index_pid(index) not in (None, old), RECOVERY_TIMEOUT_S, "the index restarted")
+    wait_until(lambda: getattr(_answer_or_none(index.get_stats), "pid", old) != old, RECOVERY_TIMEOUT_S, "the index restarted")
     full_strength(pd, expected)  # the engines never noticed
     fresh = iter(range(10_000))
 
@@ -371,13 +373,6 @@ def test_killing_the_cpu_tier_index_under_load_loses_no_request_and_engines_reac
 
     wait_until(saved_again, RESTART_QUARANTINE_S + 60, "the engines saved into the restarted index")
     nothing_leaked(pd)
-
-
-def _index_pid(index: Any) -> int | None:
-    try:
-        return ray.get(index.get_stats.remote(), timeout=5).pid
-    except (ray.exceptions.RayError, TimeoutError):
-        return None
 
 
 def test_a_failed_kv_load_is_recomputed_never_returned_as_an_error(pd: Running, reference: dict) -> None:
