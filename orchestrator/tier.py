@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 from typing import Any
 
@@ -40,8 +41,22 @@ class TierError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port free on this node right now."""
-    with socket.socket() as sock:
+    """A TCP port free on this node right now, above the kernel's range for outgoing
+    connections where the host leaves room: a port from that range could be taken as some
+    connection's local port while the index restarts, and the index could not listen again."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first = int(f.read().split()[1]) + 1
+    except (OSError, ValueError, IndexError):
+        first = 65536
+    for port in random.sample(range(first, 65536), min(64, 65536 - first)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room above the range: any free port
         sock.bind(("", 0))
         return sock.getsockname()[1]
 

@@ -170,6 +170,22 @@ def test_engine_port_ranges_may_not_overlap() -> None:
     assert parse_config({"cpu_tier": {"index_port": 5700}}).cpu_tier.index_port == 5700
 
 
+
+def test_the_tier_index_port_is_free_and_outside_the_range_for_outgoing_connections() -> None:
+    """A port the kernel may hand to an outgoing connection could be held while the index
+    restarts; the deploy picks one above that range where the host leaves room."""
+    import socket
+
+    from orchestrator.tier import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        last_outgoing = int(f.read().split()[1])
+    port = free_port()
+    if last_outgoing < 65535:  # room above the range (Linux's default ends at 60999)
+        assert last_outgoing < port <= 65535
+    with socket.socket() as sock:
+        sock.bind(("", port))  # still free: nothing here kept it
+
 # ---- the operator's view -----------------------------------------------------------------
 
 
