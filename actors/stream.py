@@ -46,7 +46,8 @@ REQUEST, OUTPUT, ERROR, END = b"G", b"O", b"E", b"D"
 _LOST = b""  # not a wire frame: put in a stream's queue when its connection is lost
 
 # libzmq pings each connection this often and drops one that has not answered for this long:
-# how a router learns that an engine's node vanished without closing its connections.
+# how a router learns that an engine's node vanished without closing its connections (the
+# CPU tier's index channel uses the same, connectors/index_client.py).
 HEARTBEAT_IVL_MS = 2_000
 HEARTBEAT_TIMEOUT_MS = 10_000
 # A connection attempt that gets no answer for this long is given up (and retried by libzmq:

@@ -28,13 +28,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from actors.kv_index import IndexAnswer, IndexCall, IndexRequest
+from actors.stream import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 # A call unanswered this long has failed: its answer was lost with an index that died.
 CALL_TIMEOUT_S = 10.0
-# libzmq pings the index this often and drops a connection that has not answered for this
-# long: how an engine notices that the index's node vanished without closing the connection.
-HEARTBEAT_IVL_MS = 2_000
-HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 class IndexCallError(RuntimeError):
@@ -64,6 +61,8 @@ class IndexClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        # The token path's liveness settings: how an engine notices that the index's node
+        # vanished without closing the connection.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         # Only to see when the connection opens (a call never waits for it, see wait_connected).
