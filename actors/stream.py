@@ -29,6 +29,7 @@ What Ray's call gave for free is kept:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -43,7 +44,7 @@ from zmq.utils.monitor import parse_monitor_message
 logger = logging.getLogger("tandem.stream")
 
 REQUEST, OUTPUT, ERROR, END = b"G", b"O", b"E", b"D"
-_LOST = b""  # not a wire frame: put in a stream's queue when its connection is lost
+_LOST = b""  # not a wire frame: put in a stream's inbox when its connection is lost
 
 # libzmq pings each connection this often and drops one that has not answered for this long:
 # how a router learns that an engine's node vanished without closing its connections (the
@@ -58,6 +59,8 @@ CONNECT_TIMEOUT_MS = 5_000
 Emit = Callable[[Any], Awaitable[bool]]
 # Runs one request on the engine, emitting its outputs; what it raises goes to the router.
 Handler = Callable[[Any, Emit], Awaitable[None]]
+# One output standing for two consecutive outputs of a stream, the earlier one first.
+Merge = Callable[[Any, Any], Any]
 
 
 class StreamLost(ConnectionError):
@@ -173,6 +176,24 @@ class StreamServer:
         self._sock.close(linger=0)
 
 
+class _Inbox:
+    """One open stream's frames, in arrival order; the reader may look at what is waiting."""
+
+    def __init__(self) -> None:
+        self.frames: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._arrived = asyncio.Event()
+
+    def put(self, kind: bytes, payload: bytes) -> None:
+        self.frames.append((kind, payload))
+        self._arrived.set()
+
+    async def get(self) -> tuple[bytes, bytes]:
+        while not self.frames:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self.frames.popleft()
+
+
 class StreamClient:
     """A router's end of the token path to one engine incarnation: one DEALER socket, the
     outputs of every request open on it told apart by a tag of its own. Made in the event loop that
@@ -184,8 +205,8 @@ class StreamClient:
         self.lost: str | None = None
         self._connected = False
         self._retired = False
-        # Each open stream's queue, by its tag (the client's number for it).
-        self._open: dict[bytes, asyncio.Queue[tuple[bytes, bytes]]] = {}
+        # Each open stream's frames, by its tag (the client's number for it).
+        self._open: dict[bytes, _Inbox] = {}
         self._tags = itertools.count()
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         _configure(self._sock)
@@ -196,23 +217,30 @@ class StreamClient:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
 
-    async def generate(self, req: Any) -> AsyncIterator[Any]:
+    async def generate(self, req: Any, merge: Merge | None = None) -> AsyncIterator[Any]:
         """Send `req` (an EngineRequest) and yield the engine's outputs until its end. Raises
-        StreamLost when the connection is lost, RemoteError when the engine raised."""
+        StreamLost when the connection is lost, RemoteError when the engine raised.
+
+        With `merge`, the outputs that arrived while the consumer was busy leave as one, as
+        vLLM's own output collector merges a slow consumer's deltas: a consumer that keeps up
+        gets every output as it comes (one per engine step), one that lags (an ingress
+        rendering many streams) catches up in fewer, larger chunks instead of falling behind."""
         if self.lost is not None:
             raise StreamLost(self.lost)
         tag = next(self._tags).to_bytes(8, "little")
-        queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
-        self._open[tag] = queue
+        inbox = self._open[tag] = _Inbox()
         try:
             try:
                 await self._sock.send_multipart([REQUEST, tag, pickle.dumps(req, protocol=5)])
             except zmq.ZMQError as err:  # the socket closed as the connection was lost
                 raise StreamLost(self.lost or f"the request could not be sent to {self.address}: {err}") from None
             while True:
-                kind, payload = await queue.get()
+                kind, payload = await inbox.get()
                 if kind == OUTPUT:
-                    yield pickle.loads(payload)
+                    out = pickle.loads(payload)
+                    while merge is not None and inbox.frames and inbox.frames[0][0] == OUTPUT:
+                        out = merge(out, pickle.loads(inbox.frames.popleft()[1]))
+                    yield out
                 elif kind == END:
                     return
                 elif kind == ERROR:
@@ -233,8 +261,8 @@ class StreamClient:
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
-            if len(frames) == 3 and (queue := self._open.get(frames[1])) is not None:  # else a stream its router left
-                queue.put_nowait((frames[0], frames[2]))
+            if len(frames) == 3 and (inbox := self._open.get(frames[1])) is not None:  # else a stream its router left
+                inbox.put(frames[0], frames[2])
 
     async def _watch(self) -> None:
         """Turn the socket's connection events into `lost`: a closed connection, or a first
@@ -251,8 +279,8 @@ class StreamClient:
     def _lose(self, why: str) -> None:
         """Fail every open stream with `why` and stop: nothing more will come on this socket."""
         self.lost = why
-        for queue in self._open.values():
-            queue.put_nowait((_LOST, b""))
+        for inbox in self._open.values():
+            inbox.put(_LOST, b"")
         for task in self._tasks:
             if task is not asyncio.current_task() and not task.get_loop().is_closed():
                 task.cancel()
@@ -279,7 +307,7 @@ class EngineStreams:
         self._clients: dict[str, StreamClient] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def generate(self, address: str, req: Any) -> AsyncIterator[Any]:
+    def generate(self, address: str, req: Any, merge: Merge | None = None) -> AsyncIterator[Any]:
         """Stream `req` from the engine at `address` (StreamClient.generate)."""
         if not address:
             raise StreamLost("the engine has no token-path address (an engine of an older Tandem?)")
@@ -290,7 +318,7 @@ class EngineStreams:
         client = self._clients.get(address)
         if client is None or client.lost is not None:
             client = self._clients[address] = StreamClient(address)
-        return client.generate(req)
+        return client.generate(req, merge)
 
     def keep(self, addresses: Collection[str]) -> None:
         """Retire the clients of engines no longer listed (a draining engine's streams end first)."""

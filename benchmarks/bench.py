@@ -201,7 +201,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
             for k, rate in enumerate(o.rates):
                 # Seeds apart from the HTTP sweep's (seed + k) and from each other: no prefix-cache hits.
                 requests = setup.workload.sample(o.num_requests, o.seed + DIRECT_SEED_OFFSET + k, setup.tokenizer)
-                router = Router(target.deployment.routing_engines(), setup.base.routing, setup.base.serve.stream_batch_ms / 1000)
+                router = Router(target.deployment.routing_engines(), setup.base.routing, setup.base.stream_batch_s)
                 direct.append(asyncio.run(run_direct(
                     router, target.model, requests, setup.tokenizer,
                     rate=rate, seed=o.seed + k, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,

@@ -25,6 +25,9 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_TINY = "builtin:tiny"
 # The built-in models (orchestrator.tiny_model.SHAPES), served as "tandem-<name>".
 BUILTIN_MODELS = ("tiny", "small")
+# serve.stream_batch_ms's default where a streamed chunk costs more than a token's step is
+# worth (CPU hosts, Serve's proxy), in seconds: Ray Serve LLM's stream_batching_interval_ms.
+CHUNKED_STREAM_BATCH_S = 0.05
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -230,13 +233,15 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     app_name: str = "tandem"
     route_prefix: str = "/"
     # Streamed tokens leave in chunks at most this many milliseconds apart; the first text
-    # and a request's last tokens never wait. Every chunk costs the token path and vLLM's
-    # serving layer in the ingress (its SSE event), on a 2-core host on the engines' cores:
-    # there one chunk per step (0, as vLLM's server streams) doubled 1P1D's TPOT even on the
-    # ZMQ token path (docs/performance.md). 50 matches Ray Serve LLM
-    # (stream_batching_interval_ms); where the ingress has cores of its own, 0 gives a
-    # per-token stream.
-    stream_batch_ms: Annotated[float, Meta(ge=0, le=1000)] = 50.0
+    # and a request's last tokens never wait. 0: each engine step's tokens leave as they
+    # come, as vLLM's server streams them (an ingress that falls behind gets what waited as
+    # one chunk, as vLLM's does, so chunks grow with load). Unset: 0 on GPU hosts with http
+    # "direct"; 50 on CPU hosts, where every chunk's work (the engine actor's send, vLLM's
+    # serving layer in the ingress) runs on the cores the engines compute on (per-token
+    # streaming slowed a colocated engine's steps by 0.2-0.4 ms on 2 cores,
+    # docs/performance.md), and behind Serve's proxy, where every chunk is one more Ray
+    # message (50 is Ray Serve LLM's stream_batching_interval_ms).
+    stream_batch_ms: Annotated[float, Meta(ge=0, le=1000)] | None = None
     # First port of the token path (requests and streamed outputs between routers and
     # engines, actors/stream.py) on each node; engines on one node take consecutive ports,
     # as with kv_transfer.side_channel_base_port. Unset: each engine listens on a port the OS
@@ -357,6 +362,14 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         for name, pool in self.pools.items():
             sets.append((f"{name}.engine_args", pool.engine_args))
         return sets
+
+    @property
+    def stream_batch_s(self) -> float:
+        """The stream batching interval in effect, in seconds (see `serve.stream_batch_ms`)."""
+        if self.serve.stream_batch_ms is not None:
+            return self.serve.stream_batch_ms / 1000
+        per_step = self.device == "cuda" and self.serve.http == "direct"
+        return 0.0 if per_step else CHUNKED_STREAM_BATCH_S
 
     @property
     def disaggregated(self) -> bool:

@@ -122,7 +122,7 @@ async def stream_engine(
     engine_gone = False
     try:
         try:
-            async for out in streams.generate(engine.stream_address, req):
+            async for out in streams.generate(engine.stream_address, req, _merged):
                 finished = out.finished
                 yield out
                 if finished:
@@ -142,6 +142,13 @@ async def stream_engine(
                 held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id, req.kv_transfer_params), ABORT_TIMEOUT_S)
             if held and on_held_kv is not None:
                 await on_held_kv(held)
+
+
+def _merged(earlier: Any, later: Any) -> Any:
+    """Two consecutive outputs of one engine request as one: engines stream deltas
+    (EngineActor._params), merged as vLLM merges them for a consumer that lags."""
+    earlier.add(later, aggregate=True)
+    return earlier
 
 
 class EnginePicker:

@@ -74,7 +74,7 @@ class OpenAIIngress:
         self.router = Router(
             table.engines,
             self.cfg.routing,
-            self.cfg.serve.stream_batch_ms / 1000,
+            self.cfg.stream_batch_s,
             disaggregated=self.cfg.disaggregated,
             report_failure=self._report_failure,
             cache_view=cache_view,

@@ -63,10 +63,21 @@ def test_who_answers_http_is_direct_or_proxy() -> None:
 
 
 def test_stream_batching_is_off_at_0_and_bounded() -> None:
-    assert parse_config({"serve": {"stream_batch_ms": 0}}).serve.stream_batch_ms == 0
+    assert parse_config({"serve": {"stream_batch_ms": 0, "http": "proxy"}}).stream_batch_s == 0
+    assert parse_config({"serve": {"stream_batch_ms": 20}}).stream_batch_s == 0.02
     for bad in (-1, 5000):
         with pytest.raises(ConfigError, match=r"`serve\.stream_batch_ms`"):
             parse_config({"serve": {"stream_batch_ms": bad}})
+
+
+def test_streamed_tokens_leave_each_step_where_a_chunk_is_cheap() -> None:
+    """Unset: every engine step's tokens on GPU hosts behind a direct ingress; 50 ms chunks on
+    CPU hosts (a chunk's work takes the engines' cores) and behind Serve's proxy (a Ray
+    message per chunk)."""
+    gpu = {"device": "cuda", "cpu_tier": {"enabled": False}}
+    assert parse_config(gpu).stream_batch_s == 0
+    assert parse_config(gpu | {"serve": {"http": "proxy"}}).stream_batch_s == 0.05
+    assert parse_config({}).stream_batch_s == 0.05
 
 
 def test_half_a_disaggregated_deployment_rejected() -> None:

@@ -57,6 +57,7 @@ class SilentEndEngine(FakeEngineBase):
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
         for chunk in CHUNKS:
             yield chunk
+            await asyncio.sleep(0.2)  # apart: a router reading late would get them merged
         await asyncio.Event().wait()
 
     def _abort(self, request_id: str, kv_params: dict[str, Any] | None = None) -> asyncio.Future:
@@ -181,9 +182,11 @@ class FakeEngine(FakeEngineBase):
     finish_reason "error", or reject input as vLLM does."""
 
     def __init__(self, name: str, *, dead: bool = False, die_after: int | None = None, hang: bool = False,
-                 error_finish: bool = False, reject: bool = False) -> None:
+                 error_finish: bool = False, reject: bool = False, step_s: float = 0.0) -> None:
         super().__init__(dead=dead)
         self.name = name
+        # Time between two outputs: with 0 a router that reads late gets them merged.
+        self.step_s = step_s
         self.die_after, self.hang, self.error_finish, self.reject = die_after, hang, error_finish, reject
         self.requests: list[EngineRequest] = []
         self.aborted: list[str] = []
@@ -217,7 +220,7 @@ class FakeEngine(FakeEngineBase):
                 yield output("", [], finished=True, finish_reason="error")
                 return
             yield output(f"t{1000 + n + i}", [1000 + n + i], finished=last, finish_reason="length" if last else None)
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.step_s)
 
     def _abort(self, request_id: str, kv_params: dict[str, Any] | None = None) -> asyncio.Future:
         self.aborted.append(request_id)
@@ -263,7 +266,7 @@ def nonzero(counts: dict[str, int]) -> dict[str, int]:
 def test_two_requests_under_one_client_id_are_apart_on_the_engines() -> None:
     """Clients reuse X-Request-Id; an engine aborts by name, so the router names each request
     anew: leaving one of two same-named requests must not abort the other."""
-    p, d = FakeEngine("p"), FakeEngine("d")
+    p, d = FakeEngine("p"), FakeEngine("d", step_s=0.1)  # the first client leaves mid-stream
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
 
     async def go() -> list[RequestOutput]:
@@ -409,7 +412,7 @@ def _consume_until(router: Router, stop_after: int) -> None:
 
 
 def test_a_client_leaving_during_decode_aborts_the_decode_request() -> None:
-    p, d = FakeEngine("p"), FakeEngine("d")
+    p, d = FakeEngine("p"), FakeEngine("d", step_s=0.1)
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
     _consume_until(router, 2)
     assert [leg(a) for a in d.aborted] == ["r-d"] and nonzero(router.stats.aborts) == {"decode": 1} and router.stats.in_flight == 0

@@ -49,6 +49,44 @@ def test_outputs_arrive_in_order_and_concurrent_streams_do_not_mix() -> None:
     run(go)
 
 
+def test_outputs_that_waited_for_a_busy_consumer_leave_merged_none_lost_or_reordered() -> None:
+    """With a merge (the router's: vLLM's delta merge), a consumer that lags gets what arrived
+    meanwhile as one output, as vLLM's own output collector gives it, and one that keeps up
+    gets every output as it comes; without a merge, every output."""
+    def one_by_one(gap_s: float) -> Callable[[EngineRequest, Emit], Awaitable[None]]:
+        async def handler(r: EngineRequest, emit: Emit) -> None:
+            for i in range(len(r.prompt_token_ids)):
+                await emit([i])
+                await asyncio.sleep(gap_s)
+        return handler
+
+    async def read(stream: AsyncIterator[list[int]], pause_s: float) -> list[list[int]]:
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            await asyncio.sleep(pause_s)
+        return chunks
+
+    def merge(a: list[int], b: list[int]) -> list[int]:
+        return a + b
+
+    async def go() -> None:
+        fast, slow = StreamServer("127.0.0.1"), StreamServer("127.0.0.1")
+        fast.start(one_by_one(0.0))
+        slow.start(one_by_one(0.2))
+        to_fast, to_slow = StreamClient(fast.address), StreamClient(slow.address)
+        lagging = await read(to_fast.generate(req("m", 50), merge), pause_s=0.3)
+        assert sum(lagging, []) == list(range(50)) and len(lagging) < 50, lagging
+        keeping_up = await read(to_slow.generate(req("k", 4), merge), pause_s=0.0)
+        assert keeping_up == [[0], [1], [2], [3]]
+        unmerged = await read(to_fast.generate(req("p", 5)), pause_s=0.3)
+        assert unmerged == [[i] for i in range(5)]
+        for c in (to_fast, to_slow, fast, slow):
+            c.close()
+
+    run(go)
+
+
 def test_two_requests_with_the_same_id_stream_apart() -> None:
     """Clients choose request ids (X-Request-Id): two at once under one id must not share a stream."""
     async def go() -> None:
