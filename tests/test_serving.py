@@ -24,7 +24,8 @@ from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from orchestrator.job import Running, running
 from orchestrator.protocol import EngineRef
-from actors.stream import stream
+from orchestrator.router import stream_engine
+from actors.stream import EngineStreams, stream
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.engines
@@ -338,6 +339,35 @@ def test_last_tokens_leave_when_decoded_not_at_the_next_batch_tick(reference: En
     assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "length"
     assert [t for c in chunks for t in c.outputs[0].token_ids] == reference_tokens(reference, prompt, n)
     assert elapsed < batch_s, "the stream's end waited for the batch interval"
+
+
+def test_a_router_reading_late_gets_the_engines_outputs_merged_and_unchanged(reference: EngineRef) -> None:
+    """Per-step streaming read by a router that falls behind (its ingress busy): the outputs
+    that waited reach it merged, as vLLM's collector merges them, with every token, logprob
+    and character an undisturbed stream has, in order."""
+    prompt, n = random_prompt(random.Random(8), 30), 48
+    sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def read(late: bool) -> list[RequestOutput]:
+        req = EngineRequest(f"late-{random.random()}", prompt, sampling)
+        chunks = []
+        outputs = stream_engine(EngineStreams(), reference, req) if late else stream(reference.stream_address, req)
+        async for out in outputs:
+            chunks.append(out)
+            if late:
+                await asyncio.sleep(0.05)  # a decode step of the tiny model takes a few ms
+        return chunks
+
+    merged, each = asyncio.run(read(late=True)), asyncio.run(read(late=False))
+    assert len(merged) < len(each) and max(len(c.outputs[0].token_ids) for c in merged) > 1
+    def logprob_ids(chunks: list[RequestOutput]) -> list[list[int]]:
+        """Each token's logprob entries by token id: which ones, in which order (not the floats)."""
+        return [sorted(entry) for c in chunks for entry in c.outputs[0].logprobs]
+
+    assert logprob_ids(merged) == logprob_ids(each) and len(logprob_ids(merged)) == n
+    assert "".join(c.outputs[0].text for c in merged) == "".join(c.outputs[0].text for c in each)
+    assert [t for c in merged for t in c.outputs[0].token_ids] == reference_tokens(reference, prompt, n)
+    assert merged[-1].finished and merged[-1].outputs[0].finish_reason == "length"
 
 
 def test_metrics_page_is_prometheus_text(pd: Running, client: openai.OpenAI) -> None:
