@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable
-from functools import partial
+from functools import partial, reduce
 from typing import Any, TypeVar
 
 import msgspec
@@ -44,6 +44,7 @@ from actors.protocol import (
     EngineRequest,
     EngineStats,
     Role,
+    merge_deltas,
     parse_stats,
 )
 
@@ -354,9 +355,7 @@ class EngineActor:
             stream = self.llm.generate(prompt, params, req.request_id, **req.generate_kwargs)
             async with contextlib.aclosing(batched(stream, req.stream_batch_s, _has_text)) as batches:
                 async for batch in batches:
-                    out = batch[0]
-                    for later in batch[1:]:
-                        out.add(later, aggregate=True)
+                    out = reduce(merge_deltas, batch)
                     done = sum(len(c.token_ids) for c in out.outputs) + (0 if prefilled else num_prompt)
                     prefilled = True
                     self.load.add(0, -done)

@@ -18,6 +18,14 @@ Role = Literal["prefill", "decode", "both"]
 TRANSFER_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def merge_deltas(earlier: Any, later: Any) -> Any:
+    """Two consecutive streamed outputs of one engine request (vLLM RequestOutput deltas) as
+    one, merged into `earlier` as vLLM's own output collector merges them for a consumer that
+    lags: the engine's stream batching and a router reading late both use it."""
+    earlier.add(later, aggregate=True)
+    return earlier
+
+
 class EngineRequest(msgspec.Struct, frozen=True):
     """One request for one engine. The ingress renders OpenAI requests with vLLM's own serving
     layer, so the prompt arrives as token ids and the sampling settings as vLLM's

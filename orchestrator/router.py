@@ -50,7 +50,7 @@ import msgspec
 from ray.exceptions import RayError
 
 from actors.kv_index import TIER_HINT
-from actors.protocol import EngineRequest, Role
+from actors.protocol import EngineRequest, Role, merge_deltas
 from actors.stream import EngineStreams, RemoteError, StreamLost
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
@@ -122,7 +122,7 @@ async def stream_engine(
     engine_gone = False
     try:
         try:
-            async for out in streams.generate(engine.stream_address, req, _merged):
+            async for out in streams.generate(engine.stream_address, req, merge_deltas):
                 finished = out.finished
                 yield out
                 if finished:
@@ -142,13 +142,6 @@ async def stream_engine(
                 held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id, req.kv_transfer_params), ABORT_TIMEOUT_S)
             if held and on_held_kv is not None:
                 await on_held_kv(held)
-
-
-def _merged(earlier: Any, later: Any) -> Any:
-    """Two consecutive outputs of one engine request as one: engines stream deltas
-    (EngineActor._params), merged as vLLM merges them for a consumer that lags."""
-    earlier.add(later, aggregate=True)
-    return earlier
 
 
 class EnginePicker:
