@@ -11,6 +11,7 @@ their ``sys.path``, so run the tests from the repository root).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from actors.kv_index import BlockLocation
@@ -61,7 +62,27 @@ class FailingLoadNixlWorker(TandemNixlWorker):
         return super()._read_blocks(request_id=request_id, **kwargs)
 
 
+# Requests whose id contains this wait HOLD_S in their engine's queue before it schedules them:
+# a phase that lasts as long as a test needs, whatever the host's speed.
+HOLD_MARK = "hold"
+HOLD_S = 1.5
+
+
 class FailingLoadNixlConnector(TandemNixlConnector):
-    """TandemNixlConnector whose pulls of requests marked KV_LOAD_FAILURE_MARK fail."""
+    """TandemNixlConnector whose pulls of requests marked KV_LOAD_FAILURE_MARK fail, and whose
+    engine holds requests marked HOLD_MARK waiting for HOLD_S (the way vLLM's scheduler waits
+    on a connector that cannot yet say how many tokens it will load; the engine steps on)."""
 
     worker_cls = FailingLoadNixlWorker
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held_since: dict[str, float] = {}
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if HOLD_MARK in request.request_id:
+            since = self._held_since.setdefault(request.request_id, time.monotonic())
+            if time.monotonic() - since < HOLD_S:
+                return None, False
+            del self._held_since[request.request_id]
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
