@@ -31,6 +31,7 @@ def _validate(args: argparse.Namespace) -> int:
 
         shown = to_dict(cfg)
         shown["cpu_tier"]["save_from"], shown["cpu_tier"]["load_into"] = (sorted(p) for p in cfg.tier_pools())
+        shown["serve"]["stream_batch_ms"] = cfg.stream_batch_s * 1000  # unset: chosen by device and HTTP mode
         print(json.dumps(shown, indent=2))
     return 0
 

@@ -148,12 +148,14 @@ def test_validate_cli_accepts_an_example() -> None:
 
 
 def test_validate_show_fills_in_derived_defaults() -> None:
-    """--show prints every default, the CPU tier's pools (derived from the routing) included."""
+    """--show prints every default, the CPU tier's pools (derived from the routing) and the
+    stream batching chosen for the device included."""
     res = _validate(ROOT / "examples" / "routing-cpu.yaml", "--show")
     assert res.returncode == 0, res.stderr
     shown = json.loads(res.stdout.split("\n", 1)[1])
     assert shown["routing"]["disaggregation"] == "conditional"
     assert shown["cpu_tier"]["save_from"] == shown["cpu_tier"]["load_into"] == ["both", "decode", "prefill"]
+    assert shown["serve"]["stream_batch_ms"] == 50.0  # a CPU deployment's chunks
 
 
 @pytest.mark.parametrize(
