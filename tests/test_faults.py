@@ -187,18 +187,21 @@ async def _one(client: openai.AsyncOpenAI, i: int, stream: bool, request_id: str
     return "".join(text), finish, usage or 0
 
 
-def load(up: Running, indices: list[int], concurrency: int, during: Any = None, delay_s: float = 1.5) -> list[Any]:
+def load(up: Running, indices: list[int], concurrency: int, during: Any = None, delay_s: float = 1.5,
+         held: int = 0) -> list[Any]:
     """Send the requests (streaming and not, alternating) `concurrency` at a time; call
-    `during()` once `delay_s` into the load. Returns each request's result or exception."""
+    `during()` once `delay_s` into the load. The first `held` requests carry HOLD_MARK: each
+    waits HOLD_S in its engines' queues, so a prefill is surely in flight when `during` runs
+    however fast the host computes. Returns each request's result or exception."""
     async def main() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=up.url, api_key="unused", max_retries=0, timeout=300)
         gate = asyncio.Semaphore(concurrency)
 
-        async def guarded(i: int) -> Any:
+        async def guarded(n: int, i: int) -> Any:
             async with gate:
-                return await _one(client, i, stream=i % 2 == 0)
+                return await _one(client, i, stream=i % 2 == 0, request_id=f"{HOLD_MARK}-{n}" if n < held else None)
 
-        tasks = [asyncio.ensure_future(guarded(i)) for i in indices]
+        tasks = [asyncio.ensure_future(guarded(n, i)) for n, i in enumerate(indices)]
         if during is not None:
             await asyncio.sleep(delay_s)
             await asyncio.to_thread(during)
@@ -229,7 +232,9 @@ def kill(pid: int) -> None:
 
 def kill_while_serving(up: Running, engine_id: str, pid: int, timeout_s: float = 30) -> None:
     """SIGKILL `pid` once the router has a request in flight on `engine_id`: the kill lands
-    under load however fast the host serves (a fixed delay missed it once requests got faster)."""
+    under load however fast the host serves (a fixed delay missed it once requests got faster;
+    a prefill engine's requests are in flight for milliseconds, so a load aimed at one holds a
+    request there, `load(held=1)`, for these scrapes to see)."""
     deadline = time.monotonic() + timeout_s
     while metric(scrape(up), "tandem_router_outstanding_requests", engine=engine_id) == 0:
         assert time.monotonic() < deadline, f"no request was in flight on {engine_id} within {timeout_s:.0f} s"
@@ -260,7 +265,7 @@ def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Runn
 def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, reference: dict) -> None:
     victim, expected = replica(status(pd), "prefill-0"), restarts(pd, plus_one="prefill-0")
     indices = list(range(24)) * 2
-    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", victim.pid), delay_s=0.3)
+    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", victim.pid), delay_s=0.3, held=1)
     check_answers(results, reference, indices)
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
@@ -292,7 +297,7 @@ def test_killing_vllms_engine_core_under_a_live_actor_restarts_the_replica(pd: R
     victim, expected = replica(status(pd), "prefill-0"), restarts(pd, plus_one="prefill-0")
     (core,) = [c for c in psutil.Process(victim.pid).children() if c.name() == "VLLM::EngineCore"]
     indices = list(range(24))
-    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", core.pid), delay_s=0.3)
+    results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", core.pid), delay_s=0.3, held=1)
     check_answers(results, reference, indices)
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
