@@ -38,6 +38,8 @@ from benchmarks.phases import (
     VLLM_SERVER_METRICS,
     Overhead,
     PathFigures,
+    decode_share_from_metrics,
+    decode_share_from_traces,
     metric_names,
     requests_with_first_token,
     router_phases_from_metrics,
@@ -214,13 +216,15 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
     for k, run in enumerate(runs):
         s = run.summary
         http_phases = ttft_phases(router_phases_from_metrics(s.server_metrics), s.server_metrics, disaggregated,
-                                  (s.ttft_ms.mean or 0.0) / 1000, requests_with_first_token(s.server_metrics))
+                                  (s.ttft_ms.mean or 0.0) / 1000, requests_with_first_token(s.server_metrics),
+                                  decode_share_from_metrics(s.server_metrics))
         if k == 0:
             phases[f"{scenario.name} HTTP"] = http_phases
         if k < len(direct):
             d, traces = direct[k]
             direct_phases = ttft_phases(router_phases_from_traces(traces), d.summary.server_metrics, disaggregated,
-                                        num_requests=sum(t.t_first_token is not None for t in traces))
+                                        num_requests=sum(t.t_first_token is not None for t in traces),
+                                        decode_share=decode_share_from_traces(traces))
             if k == 0:
                 phases[f"{scenario.name} direct"] = direct_phases
             overhead.append(Overhead(run.config.rate, PathFigures.of(run, http_phases), PathFigures.of(d, direct_phases)))

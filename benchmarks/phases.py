@@ -18,6 +18,10 @@ TTFT the client saw:
   - relay: the rest of the router's time for that leg: the token path to the engine actor,
     vLLM's front end there (input processing, the engine core's socket, output processing)
     and the first output's way back.
+
+A request whose first token was the prefill's (`routing.first_token: prefill`) has no decode
+leg before it: its decode engine's time goes to the second token. Those engine sums count
+for the other requests only, in proportion (`decode_share_*`).
 """
 
 from __future__ import annotations
@@ -147,6 +151,19 @@ def _per_request(sums: Mapping[str, float | None], counts: Mapping[str, float | 
     return out | ({"decode": decode} if decode is not None else {})
 
 
+def decode_share_from_metrics(deltas: Mapping[str, float]) -> float:
+    """The share of requests whose first token came from their output leg (the decode or
+    colocated engine), not streamed from a prefill: those the router timed a route for."""
+    first = deltas.get(router_phase("first_token", "count"))
+    return min(1.0, (deltas.get(router_phase("route", "count")) or 0.0) / first) if first else 1.0
+
+
+def decode_share_from_traces(traces: Sequence[RequestTrace]) -> float:
+    """`decode_share_from_metrics` over the direct path's traces."""
+    served = [t for t in traces if t.t_first_token is not None]
+    return sum(not t.first_from_prefill for t in served) / len(served) if served else 1.0
+
+
 def requests_with_first_token(deltas: Mapping[str, float]) -> float | None:
     """Requests the router saw reach their first token during a run (HTTP path)."""
     return deltas.get(router_phase("first_token", "count"))
@@ -169,14 +186,17 @@ def ttft_phases(
     disaggregated: bool,
     client_ttft_s: float | None = None,
     num_requests: float | None = None,
+    decode_share: float = 1.0,
 ) -> dict[str, float]:
     """Split the mean TTFT into phases (module docstring); without `client_ttft_s`, no HTTP phase.
 
     `router`: per-request means (`router_phases_from_*`); `num_requests`: the requests they
     average over, so that phases only some requests have (a remote prefill and its KV
     transfer, under a conditional router) are spread over every request as well (None:
-    every request had them). Missing inputs count as 0, so a scenario without transfers has
-    no KV phase.
+    every request had them). `decode_share` (`decode_share_*`): the share of requests whose
+    first token was their decode engine's; 0 leaves out the decode leg, the prefill's relay
+    then includes handing its token on. Missing inputs count as 0, so a scenario without
+    transfers has no KV phase.
     """
     def engine(pool: str) -> tuple[float, float]:
         """Mean engine-core (queue, compute) seconds per request on `pool`'s engines."""
@@ -194,8 +214,11 @@ def ttft_phases(
     queue, compute = engine("prefill")
     out |= {"prefill: engine queue": queue, "prefill: engine compute": compute,
             "prefill: relay": router.get("prefill", 0.0) - queue - compute}
-    kv = (_mean(deltas.get(KV_SECONDS), num_requests) if num_requests else kv_transfer_mean(deltas)) or 0.0
-    queue, compute = engine("decode")
+    if not decode_share:
+        out["prefill: relay"] += output_leg
+        return out
+    kv = decode_share * ((_mean(deltas.get(KV_SECONDS), num_requests) if num_requests else kv_transfer_mean(deltas)) or 0.0)
+    queue, compute = (decode_share * t for t in engine("decode"))
     return out | {"decode: waiting for the KV": queue - kv, "KV transfer": kv, "decode: engine compute": compute,
                   "decode: relay": output_leg - queue - compute}
 

@@ -36,6 +36,7 @@ from benchmarks.phases import (
     LOCAL_PREFILLS,
     PER_REQUEST_METRICS,
     TIER_TOKENS,
+    decode_share_from_metrics,
     engine_first_token_ms,
     engine_tpot_ms,
     requests_with_first_token,
@@ -641,7 +642,7 @@ def vllm_client_budget(results: list[ClientResult], scenarios: list[Scenario]) -
             continue
         mean_ttft_s = float(r.vllm["mean_ttft_ms"]) / 1000  # type: ignore[arg-type]
         phases = ttft_phases(router_phases_from_metrics(r.metrics), r.metrics, scenario.kind == "disaggregated",
-                             mean_ttft_s, served)
+                             mean_ttft_s, served, decode_share_from_metrics(r.metrics))
         columns[f"{r.scenario}, {r.load}"] = {p: 1000 * seconds for p, seconds in phases.items()}
     return phases_markdown(columns, "= client's mean TTFT")
 

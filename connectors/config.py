@@ -10,6 +10,11 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
+# A decode request's kv_transfer_params key: how many leading tokens of its prompt the prefill
+# computed, when the prompt goes on past them (the prefill's sampled first token, streamed to
+# the client already, ends it). The decode engine pulls those and computes the rest itself.
+PREFILLED_TOKENS = "tandem_prefilled_tokens"
+
 
 class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""

@@ -20,7 +20,9 @@ last core (see ``TandemNixlWorker.__init__``), which put every engine's forward 
 one core.
 
 It also tags every completed transfer with its request id, so the engine actor can name
-the request of a slow transfer (``TandemNixlStats``).
+the request of a slow transfer (``TandemNixlStats``), and lets a decode request's prompt go on
+past what the prefill computed (``TandemNixlScheduler``): the router streams the prefill's
+first token to the client and the decode engine continues from prompt + that token.
 
 Everything else is vLLM's pull-mode (READ) NixlConnector, unchanged. Engines load it with
 ``kv_connector="TandemNixlConnector"``, ``kv_connector_module_path="connectors.nixl"``.
@@ -49,11 +51,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from vllm.logger import init_logger
 
 from actors.nixl_agent import make_nixl_agent
-from connectors.config import NixlConfig
+from connectors.config import PREFILLED_TOKENS, NixlConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -139,6 +142,25 @@ class TandemNixlWorker(NixlPullConnectorWorker):
         return done, failed
 
 
+class TandemNixlScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull scheduler, for decode requests whose prompt extends the prefilled one.
+
+    vLLM's decode side claims its whole prompt from the prefill engine. A prompt that goes on
+    past the prefill's tokens (kv_transfer_params[PREFILLED_TOKENS]) claims only those: the
+    blocks it allocates for the pull then match the prefill's one for one (vLLM refuses a
+    pull into more blocks than the prefill sent, as at a block boundary), and the scheduler
+    computes the tokens after them, the first sampling the next token.
+    """
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        prefilled = params.get(PREFILLED_TOKENS) if params else None
+        if prefilled is None or not params.get("do_remote_prefill"):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        count = self._get_remote_prefill_token_count(prefilled) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+
 class TandemNixlConnector(NixlConnector):
     """NixlConnector (pull mode) whose worker role is a TandemNixlWorker (or `worker_cls`, for
     a subclass that changes the worker side)."""
@@ -150,7 +172,7 @@ class TandemNixlConnector(NixlConnector):
         # this is its role dispatch with Tandem's worker in place of vLLM's.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_scheduler = TandemNixlScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None

@@ -187,6 +187,14 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # decode engine when little of the prompt is left to compute there, or when the prefill
     # pool is busy).
     disaggregation: Literal["always", "never", "conditional"] = "always"
+    # A remotely prefilled request's first token: "prefill" streams the token the prefill
+    # engine sampled to the client at once, and the decode engine goes on from the prompt plus
+    # that token (the KV move and the decode's first step leave the time to first token for
+    # the gap before the second); "decode" has the decode engine sample it again after the
+    # pull. Requests whose next tokens would depend on where the first was sampled (a seeded
+    # sampler, frequency or presence penalties, bad words, a grammar, several sequences) take
+    # "decode" either way, so every output is what one engine would give.
+    first_token: Literal["prefill", "decode"] = "prefill"
     # conditional: prefill on the decode engine when the prompt tokens not already in its
     # prefix cache or the CPU tier (plus those of local prefills queued there), times the
     # requests that engine would hold up (those it runs, plus this one), are at most this

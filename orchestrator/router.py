@@ -5,6 +5,11 @@ One request, disaggregated (DESIGN.md):
   2. its final output carries kv_transfer_params (engine id, block ids, host, port);
   3. decode engine: the same prompt and sampling with those params; its NixlConnector pulls
      the blocks and the decode engine streams every output token back.
+With `routing.first_token: prefill` (the default) the prefill runs with the client's sampling
+and its token goes to the client at once; the decode request (sent before that token is
+handed on) is the prompt plus that token and pulls the prompt's blocks, so the KV move and
+the decode's first step are no longer in the time to first token. Requests whose later
+tokens would depend on which engine sampled the first (`_first_token_moves`) keep step 3.
 
 Failover, so that a dying engine costs time, never a request:
 - a prefill that fails or times out is retried on another healthy prefill replica; when none
@@ -51,6 +56,7 @@ from ray.exceptions import RayError
 
 from actors.kv_index import TIER_HINT
 from actors.protocol import EngineRequest, Role, merge_deltas
+from connectors.config import PREFILLED_TOKENS
 from actors.stream import EngineStreams, RemoteError, StreamLost
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
@@ -221,6 +227,8 @@ class RequestTrace(msgspec.Struct):
     fallback: str | None = None
     # Times the request moved to another engine mid-stream.
     migrations: int = 0
+    # The first token was the prefill engine's, streamed as it came (routing.first_token).
+    first_from_prefill: bool = False
     t_arrival: float = 0.0
     t_prefill_done: float | None = None
     # When the request that streams the output left for its engine (decode or colocated).
@@ -233,9 +241,12 @@ class RequestTrace(msgspec.Struct):
 
         prefill: arrival to the prefill engine's answer (disaggregated only); route: to the
         decode (or colocated) request leaving; first_token: to its first token (KV pull and
-        first decode step, or queue and prefill when colocated); decode: to the last token.
+        first decode step, or queue and prefill when colocated; when the prefill's token is
+        streamed, handing it on, and no route: the decode request leaves after that); decode:
+        to the last token. Together, the phases before decode are the router's time to first token.
         """
-        marks = (("prefill", self.t_prefill_done), ("route", self.t_decode_sent), ("first_token", self.t_first_token), ("decode", self.t_done))
+        route = None if self.first_from_prefill else self.t_decode_sent
+        marks = (("prefill", self.t_prefill_done), ("route", route), ("first_token", self.t_first_token), ("decode", self.t_done))
         out, last = {}, self.t_arrival
         for name, t in marks:
             if t is not None:
@@ -498,6 +509,8 @@ class Router:
             prompt = self.cache.prompt(request.prompt_token_ids)
         # A local prefill's (decode engine, prompt tokens it computes) until its first output.
         local: tuple[str, float] | None = None
+        # The prefill's answer when its token goes to the client (routing.first_token).
+        answer = None
         try:
             first = decode_engine
             if self.disaggregated:
@@ -511,11 +524,21 @@ class Router:
                     self._fall_back(trace, "no_decode_engine")
                 elif decision == "remote":
                     phase = "prefill"
-                    kv_params = await self._prefill(request, trace, prefill_engine, prompt)
+                    forward = (prefill_engine is None and self.routing.first_token == "prefill"
+                               and _first_token_moves(request.sampling) is None)
+                    last = await self._prefill(request, trace, prefill_engine, prompt, forward)
+                    kv_params = last.kv_transfer_params if last is not None else None
+                    answer = last if forward else None
                 else:
                     local = (first.engine_id, uncached)
                     self._queue_local(*local)
             phase = "handoff"
+            if answer is not None:
+                async for out in self._forward_first(request, trace, answer, first, prompt):
+                    phase = "decode"
+                    out.request_id = client_id
+                    yield out
+                return
             output = self._stream_output(request, trace, kv_params, decode_engine, first, prompt)
             async with contextlib.aclosing(output):  # a consumer that leaves aborts it now, not at GC
                 async for out in output:
@@ -542,10 +565,12 @@ class Router:
     # ---- prefill ----
 
     async def _prefill(
-        self, request: EngineRequest, trace: RequestTrace, pinned: EngineRef | None, prompt: PromptKeys | None
-    ) -> dict[str, Any] | None:
-        """Run step 1 of the protocol, retrying on other replicas; None means the decode
-        engine must prefill itself (trace.fallback says why)."""
+        self, request: EngineRequest, trace: RequestTrace, pinned: EngineRef | None, prompt: PromptKeys | None,
+        forward: bool = False,
+    ) -> Any:
+        """Run step 1 of the protocol, retrying on other replicas: the prefill engine's answer
+        (its kv_transfer_params; with `forward`, also the first token, sampled as the client
+        asked); None means the decode engine must prefill itself (trace.fallback says why)."""
         picker = self.pools["prefill"]
         tried: set[str] = set()
         attempts = 1 if pinned is not None else 1 + self.routing.prefill_retries
@@ -560,9 +585,11 @@ class Router:
                 picker.acquire(engine, work)
                 try:
                     last = await asyncio.wait_for(
-                        self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}", prompt),
+                        self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}", prompt, forward),
                         self.routing.prefill_timeout_s,
                     )
+                    if forward and last is not None and any(c.finish_reason == "error" for c in last.outputs):
+                        raise EngineFailure(engine, "the engine ended the prefill with an error", engine_down=False)
                 except asyncio.TimeoutError:
                     reason = "prefill_timeout"
                     logger.warning("prefill of %s on engine %s took over %.1f s; abandoned",
@@ -572,9 +599,11 @@ class Router:
                     self._engine_failed(failure)
                     logger.warning("prefill of %s failed: %s", request.request_id, failure)
                 else:
-                    if last is not None and last.kv_transfer_params:
+                    # A streamed first token that ends the request (a stop, or max_tokens 1,
+                    # whose prefill holds no KV for a decode) is an answer too.
+                    if last is not None and (last.kv_transfer_params or (forward and _ends_request(last, request.sampling))):
                         trace.num_cached_tokens = last.num_cached_tokens or 0
-                        return last.kv_transfer_params
+                        return last
                     logger.warning("prefill engine %s returned no KV transfer params for %s; decode recomputes",
                                    engine.engine_id, request.request_id)
                     reason = "no_kv_params"
@@ -589,11 +618,19 @@ class Router:
         return None
 
     async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str,
-                            prompt: PromptKeys | None) -> Any:
-        """The prefill engine's last output for `request` (its kv_transfer_params)."""
+                            prompt: PromptKeys | None, forward: bool) -> Any:
+        """The prefill engine's last output for `request` (its kv_transfer_params; with
+        `forward`, its first token as the client asked for it, and no KV held for a decode
+        when that token is all the client asked for)."""
+        hand_off = {"do_remote_decode": True} if not forward or request.sampling.max_tokens > 1 else None
         req = msgspec.structs.replace(request, request_id=request_id, origin=self.origin,
-                                      kv_transfer_params=self._tier_hint(engine, prompt, {"do_remote_decode": True}))
-        return await _for_kv_only(self.streams, engine, req, self._held_kv_releaser(request_id))
+                                      kv_transfer_params=self._tier_hint(engine, prompt, hand_off))
+        if not forward:
+            return await _for_kv_only(self.streams, engine, req, self._held_kv_releaser(request_id))
+        first = req.sampling.clone()
+        first.max_tokens, first.min_tokens = 1, min(first.min_tokens, 1)
+        return await _last_output(self.streams, engine, msgspec.structs.replace(req, sampling=first, stream_batch_s=0.0),
+                                  self._held_kv_releaser(request_id))
 
     def _tier_hint(self, engine: EngineRef, prompt: PromptKeys | None,
                    kv_params: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -631,6 +668,48 @@ class Router:
 
     # ---- output ----
 
+    async def _forward_first(
+        self, request: EngineRequest, trace: RequestTrace, answer: Any, first: EngineRef | None, prompt: PromptKeys | None
+    ) -> AsyncIterator[Any]:
+        """Stream the prefill's `answer` (the first token) and then the decode engine's output
+        from the prompt plus that token. The decode request leaves before the token is handed
+        on, so a consumer that leaves on it aborts the decode, which frees the prefill's blocks."""
+        kv_params = answer.kv_transfer_params
+        answer.kv_transfer_params = None
+        trace.first_from_prefill = True
+        comp = answer.outputs[0]
+        generated = list(comp.token_ids)
+        done = _ends_request(answer, request.sampling)
+        output = None
+        if not done:
+            answer.finished, comp.finish_reason, comp.stop_reason = False, None, None
+            output = self._stream_output(request, trace, {**kv_params, PREFILLED_TOKENS: len(request.prompt_token_ids)},
+                                         None, first, prompt, generated)
+        elif kv_params:  # the token ended it after all (a stop): nobody will pull the blocks
+            await self._release_held_kv(kv_params, f"{request.request_id}-release")
+        answer.prompt_token_ids = request.prompt_token_ids
+        answer.prompt = request.prompt_fields.get("prompt")
+        answer.num_cached_tokens = trace.num_cached_tokens
+        if output is None:
+            trace.t_first_token = time.perf_counter()
+            yield answer
+            return
+        async with contextlib.aclosing(output):
+            nxt = asyncio.ensure_future(anext(output))  # sends the decode request
+            await asyncio.sleep(0)
+            try:
+                trace.t_first_token = time.perf_counter()
+                yield answer
+                with contextlib.suppress(StopAsyncIteration):
+                    yield await nxt
+            finally:
+                if not nxt.done():
+                    nxt.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await nxt
+            async for out in output:
+                yield out
+
     async def _stream_output(
         self,
         request: EngineRequest,
@@ -639,24 +718,25 @@ class Router:
         pinned: EngineRef | None,
         first: EngineRef | None,
         prompt: PromptKeys | None,
+        streamed: Sequence[int] = (),
     ) -> AsyncIterator[Any]:
         """Stream the output from a decode (or colocated) engine (`first` when already
         chosen), moving to another engine when it fails, from the prompt plus the tokens
-        already streamed."""
+        already streamed (`streamed`: those the client has from elsewhere, the prefill's)."""
         engine = pinned or first or await self._pick_output_engine(prompt, set())
         if engine is None:
             raise NoEngineError("no healthy engine is left to serve the request; retry once the pools have recovered")
         work = self._claim(engine, prompt)
         request_id, prompt_ids, sampling = request.request_id, request.prompt_token_ids, request.sampling
-        generated: list[int] = []
-        streamed = False
+        generated: list[int] = list(streamed)
+        streaming = False
         failed: set[str] = set()
         while True:
             if generated and sampling.max_tokens - len(generated) <= 0:
                 yield _length_end(request)
                 return
             suffix = f"-m{trace.migrations}" if trace.migrations else ("-d" if self.disaggregated else "")
-            resumed = bool(trace.migrations and generated)
+            resumed = bool(generated)
             req = msgspec.structs.replace(
                 request,
                 request_id=f"{request_id}{suffix}",
@@ -685,11 +765,11 @@ class Router:
                             raise EngineFailure(engine, "the engine ended the request with an error", engine_down=False)
                         if trace.t_first_token is None and any(c.token_ids for c in out.outputs):
                             trace.t_first_token = time.perf_counter()
-                        if not streamed and not trace.migrations and (
+                        if not streaming and not trace.migrations and (
                             not self.disaggregated or trace.fallback or trace.disaggregation == "local"
                         ):
                             trace.num_cached_tokens = out.num_cached_tokens or 0
-                        streamed = True
+                        streaming = True
                         if sampling.n == 1:
                             generated.extend(out.outputs[0].token_ids if out.outputs else ())
                         # Engines send no prompt (the client's, even when a resumed request's is longer).
@@ -703,7 +783,7 @@ class Router:
                     raise
                 self._engine_failed(failure)
                 failed.add(engine.engine_id)
-                if streamed and (why := _unresumable(sampling)):
+                if streaming and (why := _unresumable(sampling)):
                     _count(self.stats.failed, "unresumable")
                     raise UnresumableError(
                         f"engine {engine.engine_id} failed while streaming request {request_id} ({failure}); "
@@ -747,12 +827,39 @@ async def _for_kv_only(streams: EngineStreams, engine: EngineRef, req: EngineReq
     one = req.sampling.clone()
     one.n, one.max_tokens, one.min_tokens = 1, 1, 0
     one.logprobs = one.prompt_logprobs = one.structured_outputs = None
+    return await _last_output(streams, engine, msgspec.structs.replace(req, sampling=one, stream_batch_s=0.0), on_held_kv)
+
+
+async def _last_output(streams: EngineStreams, engine: EngineRef, req: EngineRequest,
+                       on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> Any:
+    """Run `req` on `engine` to its end: its outputs merged into one (None if there were none)."""
     last = None
-    async with contextlib.aclosing(stream_engine(streams, engine, msgspec.structs.replace(req, sampling=one, stream_batch_s=0.0),
-                                                 on_held_kv)) as outputs:
-        async for last in outputs:
-            pass
+    async with contextlib.aclosing(stream_engine(streams, engine, req, on_held_kv)) as outputs:
+        async for out in outputs:
+            last = out if last is None else merge_deltas(last, out)
     return last
+
+
+def _ends_request(answer: Any, sampling: Any) -> bool:
+    """Whether a prefill's streamed first token is the request's last: a stop, or all the
+    client asked for."""
+    return answer.finished and (sampling.max_tokens <= 1 or any(c.finish_reason == "stop" for c in answer.outputs))
+
+
+def _first_token_moves(sampling: Any) -> str | None:
+    """Why the token a prefill samples cannot be the request's first (None if it can): the
+    decode engine would go on differently than one engine would from there."""
+    if why := _unresumable(sampling):
+        return why
+    if sampling.seed is not None and sampling.temperature > 0:
+        return "a seeded sampler"  # its draws would start again on the decode engine
+    if sampling.frequency_penalty or sampling.presence_penalty:
+        return "output-token penalties"  # the first token would count as the prompt's
+    if sampling.bad_words:
+        return "bad words"  # a bad word starting at the first token would go unseen
+    if sampling.prompt_logprobs is not None:
+        return "prompt logprobs"  # the decode engine would compute them again, one token longer
+    return None
 
 
 def _unresumable(sampling: Any) -> str | None:

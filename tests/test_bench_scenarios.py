@@ -30,6 +30,8 @@ from benchmarks.phases import (
     VLLM_SERVER_METRICS,
     Overhead,
     PathFigures,
+    decode_share_from_metrics,
+    decode_share_from_traces,
     engine_first_token_ms,
     engine_compute,
     engine_queue,
@@ -189,6 +191,30 @@ def test_disaggregated_phases_add_up_to_the_client_ttft() -> None:
         "decode: waiting for the KV": 0.030, "KV transfer": 0.030, "decode: engine compute": 0.020, "decode: relay": 0.020,
     })
     assert sum(phases.values()) == pytest.approx(0.450)
+
+
+def test_a_streamed_prefill_token_leaves_the_decode_leg_out_of_the_ttft() -> None:
+    """routing.first_token: prefill: the client's first token is the prefill's; the decode
+    engine's queue, KV transfer and first step come after it and are not TTFT phases."""
+    forwarded = RequestTrace(t_arrival=10.0, t_prefill_done=10.3, t_first_token=10.301, t_decode_sent=10.3012,
+                             t_done=11.0, first_from_prefill=True)
+    assert forwarded.phases() == pytest.approx({"prefill": 0.3, "first_token": 0.001, "decode": 0.699})
+    assert decode_share_from_traces([forwarded, forwarded]) == 0.0
+    (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
+    deltas = _deltas({"prefill": 0.300, "first_token": 0.001, "decode": 1.0}, 4,
+                     **{pq: 0.2, pt: 4, engine_compute("prefill"): 0.8, dq: 0.24, dt: 4, engine_compute("decode"): 0.08,
+                        KV_SECONDS: 0.12, KV_TRANSFERS: 4})
+    assert decode_share_from_metrics(deltas) == 0.0
+    phases = ttft_phases(router_phases_from_metrics(deltas), deltas, True, 0.350, requests_with_first_token(deltas),
+                         decode_share_from_metrics(deltas))
+    assert phases == pytest.approx({"HTTP + ingress": 0.049, "prefill: engine queue": 0.050,
+                                    "prefill: engine compute": 0.200, "prefill: relay": 0.051})
+    # Half the requests forwarded: the decode engine's sums count for the other half.
+    mixed = deltas | {router_phase("route", "sum"): 2 * 0.001, router_phase("route", "count"): 2}
+    assert decode_share_from_metrics(mixed) == 0.5
+    half = ttft_phases(router_phases_from_metrics(mixed), mixed, True, 0.400, requests_with_first_token(mixed), 0.5)
+    assert half["decode: engine compute"] == pytest.approx(0.010) and half["KV transfer"] == pytest.approx(0.015)
+    assert sum(half.values()) == pytest.approx(0.400)
 
 
 def test_phases_add_up_when_some_requests_were_prefilled_locally() -> None:
@@ -550,7 +576,7 @@ def test_the_vllm_client_ttft_budget_adds_up_to_the_clients_mean_ttft() -> None:
     from benchmarks.report import vllm_client_budget
 
     (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
-    grown = {router_phase("prefill", "sum"): 4 * 0.030, router_phase("route", "sum"): 4 * 0.001,
+    grown = {router_phase("prefill", "sum"): 4 * 0.030, router_phase("route", "sum"): 4 * 0.001, router_phase("route", "count"): 4,
              router_phase("first_token", "sum"): 4 * 0.019, router_phase("first_token", "count"): 4,
              pq: 0.004, pt: 4, engine_compute("prefill"): 0.08, dq: 0.04, dt: 4, engine_compute("decode"): 0.02,
              KV_SECONDS: 0.012, KV_TRANSFERS: 4}

@@ -16,6 +16,7 @@ from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from actors.protocol import CacheUpdate, EngineRequest
 from actors.stream import EngineStreams
+from connectors.config import PREFILLED_TOKENS
 from orchestrator.config import RoutingConfig
 from orchestrator.protocol import EngineRef
 from orchestrator.router import (
@@ -111,7 +112,8 @@ class RecordingEngine(FakeEngineBase):
 
 def test_only_the_streaming_request_may_batch_tokens() -> None:
     prefill, decode = RecordingEngine(), RecordingEngine()
-    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")], RoutingConfig(policy="round_robin"), stream_batch_s=0.02)
+    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")],
+                    RoutingConfig(policy="round_robin", first_token="decode"), stream_batch_s=0.02)
 
     async def run() -> list[RequestOutput]:
         return [c async for c in router.generate(EngineRequest("r-2", [1, 2, 3], SamplingParams(max_tokens=4)), RequestTrace())]
@@ -306,7 +308,7 @@ def test_a_failed_prefill_is_retried_on_another_prefill_replica() -> None:
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
     assert trace.fallback is None
-    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p1"}
+    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p1", PREFILLED_TOKENS: len(PROMPT)}
     assert nonzero(router.stats.retries) == {"prefill_failed": 1}
     assert [r.engine.engine_id for r in reports] == ["p0"]
     assert router.pools["prefill"].pick().engine_id == "p1"  # type: ignore[union-attr]
@@ -318,7 +320,8 @@ def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
                              prefill_timeout_s=0.2)
     trace = RequestTrace()
     assert tokens(run(router, trace=trace)) == UNDISTURBED
-    assert [leg(a) for a in slow.aborted] == ["r-p"] and d.requests[0].kv_transfer_params == {"remote_engine_id": "p1"}
+    assert [leg(a) for a in slow.aborted] == ["r-p"]
+    assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p1", PREFILLED_TOKENS: len(PROMPT)}
     assert nonzero(router.stats.retries) == {"prefill_timeout": 1}
     assert reports == []  # slow is not dead: it stays in routing
 
@@ -347,9 +350,10 @@ def test_a_decode_engine_dying_mid_stream_hands_the_rest_to_another_decode_repli
     chunks = run(router, trace=trace)
     assert tokens(chunks) == UNDISTURBED  # no token repeated or lost
     assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "length"
+    # The first token was the prefill's, three more d0's.
     resumed = d1.requests[0]
-    assert resumed.prompt_token_ids == PROMPT + UNDISTURBED[:3] and resumed.resume_from == len(PROMPT)
-    assert resumed.sampling.max_tokens == 5 and resumed.kv_transfer_params is None
+    assert resumed.prompt_token_ids == PROMPT + UNDISTURBED[:4] and resumed.resume_from == len(PROMPT)
+    assert resumed.sampling.max_tokens == 4 and resumed.kv_transfer_params is None
     assert trace.migrations == 1 and router.stats.migrations == 1
     assert [r.engine.engine_id for r in reports] == ["d0"]
 
@@ -358,7 +362,7 @@ def test_with_no_decode_replica_left_a_prefill_engine_serves_the_rest() -> None:
     p, d = FakeEngine("p"), FakeEngine("d", die_after=2)
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
     assert tokens(run(router)) == UNDISTURBED
-    assert p.requests[-1].prompt_token_ids == PROMPT + UNDISTURBED[:2]
+    assert p.requests[-1].prompt_token_ids == PROMPT + UNDISTURBED[:3]  # the prefill's token, then d's two
 
 
 def test_a_request_the_engine_ends_with_an_error_moves_instead_of_returning_it() -> None:
@@ -441,7 +445,7 @@ def test_a_client_leaving_before_the_first_token_aborts_the_decode_request_that_
     """The decode request leaves with the prefill's answer; aborting it is what frees the
     prefill's blocks (vLLM's decode side notifies the prefill side)."""
     p, d = FakeEngine("p"), FakeEngine("d", hang=True)
-    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    router, _ = routed([p.ref("prefill"), d.ref("decode")], first_token="decode")
 
     async def go() -> None:
         gen = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8)), RequestTrace())
@@ -454,3 +458,85 @@ def test_a_client_leaving_before_the_first_token_aborts_the_decode_request_that_
     asyncio.run(go())
     assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p"} and [leg(a) for a in d.aborted] == ["r-d"]
     assert nonzero(router.stats.aborts) == {"handoff": 1} and router.stats.in_flight == 0
+
+
+# ---- the prefill's first token, streamed (routing.first_token: prefill) -------------------
+
+
+def test_the_prefills_token_reaches_the_client_before_the_decode_answers() -> None:
+    """The decode request (prompt + the prefill's token, pulling the prompt's blocks) has left
+    when the first token is handed on; the client has that token while the decode engine hangs."""
+    p, d = FakeEngine("p"), FakeEngine("d", hang=True)
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    trace = RequestTrace()
+
+    async def go() -> list[RequestOutput]:
+        gen = router.generate(EngineRequest("r", PROMPT, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)), trace)
+        first = await asyncio.wait_for(anext(gen), timeout=10)
+        assert trace.t_decode_sent is not None  # sent before the token was handed on
+        await asyncio.sleep(0.1)  # the fake engine's thread takes it
+        await gen.aclose()
+        return [first]
+
+    (first,) = asyncio.run(go())
+    assert tokens([first]) == UNDISTURBED[:1] and not first.finished and first.outputs[0].finish_reason is None
+    assert first.prompt_token_ids == PROMPT and first.kv_transfer_params is None
+    (pre,), (dec,) = p.requests, d.requests
+    # The prefill samples as the client asked, one token; the decode continues after it.
+    assert (pre.sampling.max_tokens, pre.sampling.logprobs, pre.sampling.temperature) == (1, 1, 0.0)
+    assert dec.prompt_token_ids == PROMPT + UNDISTURBED[:1] and dec.resume_from == len(PROMPT)
+    assert dec.kv_transfer_params == {"remote_engine_id": "p", PREFILLED_TOKENS: len(PROMPT)}
+    assert dec.sampling.max_tokens == 7 and dec.sampling.logprobs == 1
+    # Leaving after the first token aborts the decode, which frees the prefill's blocks.
+    assert [leg(a) for a in d.aborted] == ["r-d"] and nonzero(router.stats.aborts) == {"decode": 1}
+    assert trace.first_from_prefill and "route" not in trace.phases() and router.stats.in_flight == 0
+
+
+def test_a_streamed_first_token_gives_the_same_output_and_the_decode_failing_still_migrates() -> None:
+    p, d0, d1 = FakeEngine("p"), FakeEngine("d0", die_after=0), FakeEngine("d1")
+    router, _ = routed([p.ref("prefill"), d0.ref("decode"), d1.ref("decode")], policy="round_robin")
+    assert tokens(run(router)) == UNDISTURBED
+    # d0 died before its first token: d1 goes on from the prompt plus the prefill's token.
+    assert d1.requests[0].prompt_token_ids == PROMPT + UNDISTURBED[:1] and d1.requests[0].kv_transfer_params is None
+
+
+def test_a_one_token_request_is_served_by_its_prefill_engine_alone() -> None:
+    p, d = FakeEngine("p"), FakeEngine("d")
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    chunks = run(router, max_tokens=1)
+    assert tokens(chunks) == UNDISTURBED[:1] and chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "length"
+    assert d.requests == [] and p.requests[0].kv_transfer_params is None  # no KV held for a decode
+
+
+def test_a_first_token_that_stops_the_request_releases_the_prefills_blocks() -> None:
+    class StoppingPrefill(FakeEngine):
+        async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+            self.requests.append(req)
+            yield output("", [2], finished=True, finish_reason="stop", kv_transfer_params={"remote_engine_id": self.name})
+
+    p, d = StoppingPrefill("p"), FakeEngine("d")
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    chunks = run(router)
+    assert tokens(chunks) == [2] and chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "stop"
+    assert [r.prompt_token_ids for r in d.requests] == [] and [leg(r) for r, _ in d.released] == ["r-release"]
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=8, temperature=0.8, seed=7),
+    SamplingParams(max_tokens=8, frequency_penalty=0.5),
+    SamplingParams(max_tokens=8, presence_penalty=0.5),
+    SamplingParams(max_tokens=8, bad_words=["t1005"]),
+    SamplingParams(max_tokens=8, n=2),
+    SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
+])
+def test_requests_whose_next_tokens_depend_on_where_the_first_was_sampled_keep_the_decodes(sampling: SamplingParams) -> None:
+    prefill, decode = RecordingEngine(), RecordingEngine()
+    router = Router([prefill.ref("p", "prefill"), decode.ref("d", "decode")], RoutingConfig(policy="round_robin"))
+
+    async def go() -> None:
+        async for _ in router.generate(EngineRequest("r-6", [1, 2, 3], sampling), RequestTrace()):
+            pass
+
+    asyncio.run(go())
+    assert prefill.requests[0].sampling.logprobs is None and prefill.requests[0].sampling.n == 1
+    assert decode.requests[-1].prompt_token_ids == [1, 2, 3] and decode.requests[-1].resume_from is None

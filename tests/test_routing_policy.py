@@ -22,6 +22,7 @@ from vllm.sampling_params import SamplingParams
 from actors.kv_events import KVEventFollower, PrefixHasher, as_key
 from actors.kv_index import TIER_HINT, TierChanges
 from actors.protocol import CacheUpdate, EngineRequest
+from connectors.config import PREFILLED_TOKENS
 from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
 from orchestrator.disaggregation import decide
@@ -297,7 +298,8 @@ def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[Re
     async def go() -> list[RequestOutput]:
         router.cache.sync()  # type: ignore[union-attr]
         await asyncio.sleep(0.05)  # the view's first long-poll answers
-        out = [c async for c in router.generate(EngineRequest("r", prompt, SamplingParams(max_tokens=1)), trace)]
+        # Two tokens: a one-token request is served by its prefill engine alone.
+        out = [c async for c in router.generate(EngineRequest("r", prompt, SamplingParams(max_tokens=2)), trace)]
         await router.close()
         return out
 
@@ -354,7 +356,9 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
     remote = RequestTrace()
     serve_one(router, list(range(3000, 3000 + 10 * BLOCK)), remote)  # nothing cached: remote
     assert remote.disaggregation == "remote" and len(prefill.requests) == 1
-    assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p"}
+    # The decode goes on from the prompt plus the prefill's token, pulling the prompt's KV.
+    assert decode.requests[-1].kv_transfer_params == {"remote_engine_id": "p", PREFILLED_TOKENS: 10 * BLOCK}
+    assert decode.requests[-1].prompt_token_ids == list(range(3000, 3000 + 10 * BLOCK)) + [7]
     assert router.stats.decisions["local:short_uncached"] == 1
     assert router.stats.decisions["remote:long_uncached"] == 1
 

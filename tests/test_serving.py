@@ -178,23 +178,30 @@ def test_disaggregated_greedy_output_matches_a_colocated_engine(client: openai.O
 # ---- criterion 4: the KV really moved ---------------------------------------------------------
 
 
-def test_decode_engine_loads_the_prompt_over_nixl(pd: Running, client: openai.OpenAI) -> None:
-    prompt = random_prompt(random.Random(7), 400)
+@pytest.mark.parametrize("n", [400, 256])  # 256: the prompt ends on a block boundary, the prefill's token starts a block
+def test_decode_engine_loads_the_prompt_over_nixl(pd: Running, client: openai.OpenAI, n: int) -> None:
+    prompt = random_prompt(random.Random(7), n)
     before = metrics(pd)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 4
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == n
     after = metrics(pd)
 
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
+    # The client's first token was the prefill's (routing.first_token: prefill, the default):
+    # the router timed no hand-off before it. The decode engine went on from the prompt plus
+    # that token: it took every prompt token from the prefill engine's KV and computed the
+    # token itself, as its first step.
+    assert delta("tandem_request_phase_seconds_count", phase="first_token") == 1
+    assert delta("tandem_request_phase_seconds_count", phase="route") == 0
     loaded = delta("tandem_prompt_tokens_total", pool="decode", source="external_kv_transfer")
     recomputed = delta("tandem_prompt_tokens_total", pool="decode", source="local_compute")
-    assert loaded == 400, "the decode engine must take every prompt token from the prefill engine's KV"
-    assert recomputed == 0
-    assert delta("tandem_prompt_tokens_total", pool="prefill", source="local_compute") == 400
-    # 400 tokens = 4 blocks of 128 at 2 layers x K,V x 2 heads x 32 dims x 2 bytes = 32 KiB per block per layer.
-    assert delta("tandem_kv_transfer_bytes_total", pool="decode") == 4 * 2 * 32768
+    assert loaded == n, "the decode engine must take every prompt token from the prefill engine's KV"
+    assert recomputed == 1
+    assert delta("tandem_prompt_tokens_total", pool="prefill", source="local_compute") == n
+    # 128-token blocks at 2 layers x K,V x 2 heads x 32 dims x 2 bytes = 32 KiB per block per layer.
+    assert delta("tandem_kv_transfer_bytes_total", pool="decode") == -(-n // 128) * 2 * 32768
     assert delta("tandem_kv_transfers_total", pool="decode") == 1
     assert delta("tandem_kv_transfer_bytes_total", pool="prefill") == 0
     assert delta("tandem_fallbacks_total") == 0
