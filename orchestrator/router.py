@@ -534,12 +534,9 @@ class Router:
                     self._queue_local(*local)
             phase = "handoff"
             if answer is not None:
-                async for out in self._forward_first(request, trace, answer, first, prompt):
-                    phase = "decode"
-                    out.request_id = client_id
-                    yield out
-                return
-            output = self._stream_output(request, trace, kv_params, decode_engine, first, prompt)
+                output = self._forward_first(request, trace, answer, first, prompt)
+            else:
+                output = self._stream_output(request, trace, kv_params, decode_engine, first, prompt)
             async with contextlib.aclosing(output):  # a consumer that leaves aborts it now, not at GC
                 async for out in output:
                     phase = "decode"
