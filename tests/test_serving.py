@@ -180,7 +180,7 @@ def test_disaggregated_greedy_output_matches_a_colocated_engine(client: openai.O
 
 @pytest.mark.parametrize("n", [400, 256])  # 256: the prompt ends on a block boundary, the prefill's token starts a block
 def test_decode_engine_loads_the_prompt_over_nixl(pd: Running, client: openai.OpenAI, n: int) -> None:
-    prompt = random_prompt(random.Random(7), n)
+    prompt = random_prompt(random.Random(7 + n), n)  # apart: the decode engine caches what it pulled
     before = metrics(pd)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == n
