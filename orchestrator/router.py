@@ -56,8 +56,8 @@ from ray.exceptions import RayError
 
 from actors.kv_index import TIER_HINT
 from actors.protocol import EngineRequest, Role, merge_deltas
-from connectors.config import PREFILLED_TOKENS
 from actors.stream import EngineStreams, RemoteError, StreamLost
+from connectors.config import PREFILLED_TOKENS
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide

@@ -615,4 +615,6 @@ def test_tandem_bench_with_vllms_client_measures_1p1d_and_a_plain_server(ray_loc
                                           "vllm:request_time_per_output_token_seconds_count"}  # all a vLLM server has
     summary = (tmp_path / "summary.md").read_text()
     assert "| 1p1d | 4 req/s | 4 / 0 |" in summary and "x / " in summary
-    assert "| decode: relay |" in summary and "| **= client's mean TTFT** |" in summary  # the TTFT budget
+    # The TTFT budget: the first token is the prefill's (routing.first_token), so no decode leg in it.
+    assert "| prefill: relay |" in summary and "| **= client's mean TTFT** |" in summary
+    assert "| decode: relay |" not in summary
