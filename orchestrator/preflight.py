@@ -50,7 +50,8 @@ def check_pools(cfg: TandemConfig) -> None:
 
 
 def check_connectors(cfg: TandemConfig) -> None:
-    from connectors.registry import ConnectorError, validate_kv_transfer_config
+    from connectors.nixl import TandemNixlConnector
+    from connectors.registry import ConnectorError, resolve_connector, validate_kv_transfer_config
     from orchestrator.specs import kv_transfer_for
 
     for role in cfg.pools:
@@ -61,6 +62,17 @@ def check_connectors(cfg: TandemConfig) -> None:
             validate_kv_transfer_config(kv, where="kv_transfer")
         except ConnectorError as err:
             raise ConfigError(str(err)) from None
+    name = cfg.kv_transfer.connector
+    if "prefill" in cfg.pools and cfg.routing.first_token == "prefill" and not issubclass(
+        resolve_connector(name, cfg.kv_transfer.module_path), TandemNixlConnector
+    ):
+        # The decode request is the prompt plus the prefill's token; only Tandem's NIXL
+        # scheduler pulls just the prefilled tokens (vLLM's refuses at a block boundary).
+        raise ConfigError(
+            f"`routing.first_token`: 'prefill' needs kv_transfer.connector TandemNixlConnector or a subclass, "
+            f"which pulls just the tokens the prefill computed; {name!r} would claim the prefill's token too. "
+            "fix: set routing.first_token: decode, or use TandemNixlConnector"
+        )
 
 
 def check_openai_args(cfg: TandemConfig) -> None:

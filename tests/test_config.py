@@ -129,6 +129,13 @@ def test_preflight_unknown_engine_arg() -> None:
         preflight(parse_config({"engine_args": {"max_model_length": 10}}))
 
 
+def test_a_first_token_from_the_prefill_needs_tandems_nixl_connector() -> None:
+    with pytest.raises(ConfigError, match=r"routing.first_token.*fix: set routing.first_token: decode"):
+        preflight(parse_config({"kv_transfer": {"connector": "NixlConnector"}}))
+    preflight(parse_config({"kv_transfer": {"connector": "NixlConnector"}, "routing": {"first_token": "decode"}}))
+    preflight(parse_config({"kv_transfer": {"connector": "NixlConnector"}, "colocated": {}}))  # no prefill, no hand-off
+
+
 def test_preflight_bad_connector_name() -> None:
     with pytest.raises(ConfigError, match="NoSuchConnector"):
         preflight(parse_config({"kv_transfer": {"connector": "NoSuchConnector"}}))
