@@ -9,7 +9,7 @@ With `routing.first_token: prefill` (the default) the prefill runs with the clie
 and its token goes to the client at once; the decode request (sent before that token is
 handed on) is the prompt plus that token and pulls the prompt's blocks, so the KV move and
 the decode's first step are no longer in the time to first token. Requests whose later
-tokens would depend on which engine sampled the first (`_first_token_moves`) keep step 3.
+tokens would depend on which engine sampled the first (`_first_token_can_move`) keep step 3.
 
 Failover, so that a dying engine costs time, never a request:
 - a prefill that fails or times out is retried on another healthy prefill replica; when none
@@ -525,7 +525,7 @@ class Router:
                 elif decision == "remote":
                     phase = "prefill"
                     forward = (prefill_engine is None and self.routing.first_token == "prefill"
-                               and _first_token_moves(request.sampling) is None)
+                               and _first_token_can_move(request.sampling))
                     last = await self._prefill(request, trace, prefill_engine, prompt, forward)
                     kv_params = last.kv_transfer_params if last is not None else None
                     answer = last if forward else None
@@ -585,8 +585,8 @@ class Router:
                         self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}", prompt, forward),
                         self.routing.prefill_timeout_s,
                     )
-                    if forward and last is not None and any(c.finish_reason == "error" for c in last.outputs):
-                        raise EngineFailure(engine, "the engine ended the prefill with an error", engine_down=False)
+                    if forward and last is not None:
+                        _raise_if_errored(engine, last, "prefill")
                 except asyncio.TimeoutError:
                     reason = "prefill_timeout"
                     logger.warning("prefill of %s on engine %s took over %.1f s; abandoned",
@@ -758,8 +758,7 @@ class Router:
                     req = msgspec.structs.replace(req, kv_transfer_params=self._tier_hint(engine, prompt, None))
                 async with contextlib.aclosing(stream_engine(self.streams, engine, req)) as outputs:
                     async for out in outputs:
-                        if any(c.finish_reason == "error" for c in out.outputs):
-                            raise EngineFailure(engine, "the engine ended the request with an error", engine_down=False)
+                        _raise_if_errored(engine, out, "request")
                         if trace.t_first_token is None and any(c.token_ids for c in out.outputs):
                             trace.t_first_token = time.perf_counter()
                         if not streaming and not trace.migrations and (
@@ -843,20 +842,27 @@ def _ends_request(answer: Any, sampling: Any) -> bool:
     return answer.finished and (sampling.max_tokens <= 1 or any(c.finish_reason == "stop" for c in answer.outputs))
 
 
-def _first_token_moves(sampling: Any) -> str | None:
-    """Why the token a prefill samples cannot be the request's first (None if it can): the
-    decode engine would go on differently than one engine would from there."""
-    if why := _unresumable(sampling):
-        return why
-    if sampling.seed is not None and sampling.temperature > 0:
-        return "a seeded sampler"  # its draws would start again on the decode engine
-    if sampling.frequency_penalty or sampling.presence_penalty:
-        return "output-token penalties"  # the first token would count as the prompt's
-    if sampling.bad_words:
-        return "bad words"  # a bad word starting at the first token would go unseen
-    if sampling.prompt_logprobs is not None:
-        return "prompt logprobs"  # the decode engine would compute them again, one token longer
-    return None
+def _first_token_can_move(sampling: Any) -> bool:
+    """Whether the token a prefill samples can be the request's first: not when the decode
+    engine would go on differently than one engine would from there."""
+    return not (
+        _unresumable(sampling)
+        # A seeded sampler's draws would start again on the decode engine.
+        or (sampling.seed is not None and sampling.temperature > 0)
+        # Output-token penalties would count the first token as the prompt's.
+        or sampling.frequency_penalty or sampling.presence_penalty
+        # A bad word starting at the first token would go unseen.
+        or sampling.bad_words
+        # The decode engine would compute prompt logprobs again, one token longer.
+        or sampling.prompt_logprobs is not None
+    )
+
+
+def _raise_if_errored(engine: EngineRef, out: Any, what: str) -> None:
+    """An output vLLM ended with finish_reason "error" (e.g. a failed KV load) is the engine's
+    failure, retried or migrated like a dead engine's; the engine itself is still up."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise EngineFailure(engine, f"the engine ended the {what} with an error", engine_down=False)
 
 
 def _unresumable(sampling: Any) -> str | None:
