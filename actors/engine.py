@@ -64,7 +64,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
     # vLLM kv_transfer_config dict, None for an engine without a KV connector.
     kv_transfer: dict[str, Any] | None = None
-    # Cores the actor and every process vLLM spawns for it may run on; None: unbound.
+    # Cores the actor and every process vLLM spawns for it run on, apart from the OpenMP
+    # compute threads (bound by VLLM_CPU_OMP_THREADS_BIND); None: unbound.
     cores: list[int] | None = None
     # A KV transfer slower than this (seconds) is counted and logged as a WARNING.
     slow_transfer_s: float = 1.0

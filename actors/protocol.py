@@ -70,8 +70,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     child_pids: list[int]
     max_model_len: int
     block_size: int
-    # Cores every process of the engine may run on (None: unbound), and the subset its
-    # OpenMP compute threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+    # Cores the engine's processes run on apart from its OpenMP compute threads (None:
+    # unbound), and the cores those are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND): within
+    # them, or beside them for a decode engine with no core to spare
+    # (orchestrator.placement.process_cores).
     cores: list[int] | None
     cpu_binding: str | None
     # The engine processes' scheduling niceness (Ray's workers default to 15).

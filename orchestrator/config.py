@@ -273,7 +273,9 @@ class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # KV cache per engine on CPU hosts, GiB (VLLM_CPU_KVCACHE_SPACE).
     kvcache_space_gib: PositiveInt = 1
     # Pin each engine's OpenMP threads to its own cores, split from the node's cores by
-    # placement. "off" leaves vLLM's own binding (every engine on every core).
+    # placement, and its other threads to a core it leaves out of OpenMP (a decode engine
+    # with no core to spare: its node's prefill engines' cores). "off" leaves vLLM's own
+    # binding (every engine on every core).
     bind_cores: Literal["auto", "off"] = "auto"
 
 

@@ -18,6 +18,7 @@ import ray
 from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.protocol import Role
 from orchestrator.config import PoolConfig
 from orchestrator.models import resolve_local
 
@@ -46,10 +47,19 @@ class EngineSlot(msgspec.Struct, frozen=True):
     side_channel_port: int
     # VLLM_CPU_OMP_THREADS_BIND value ("0,1,2", or "0|1" for TP ranks); None: unbound.
     cpu_binding: str | None
-    # Cores of the engine's whole process tree (actor, engine core, workers); None: unbound.
+    # The engine's own cores (its share of the node); None: unbound.
     cores: list[int] | None = None
     # The token path's port (actors.stream); None: the OS picks one.
     stream_port: int | None = None
+    # Where the engine's processes run apart from its compute threads (the actor, vLLM's
+    # engine core, NIXL); None: on `cores`. See `process_cores`.
+    process_cores: list[int] | None = None
+
+    @property
+    def pinned_to(self) -> list[int] | None:
+        """The cores the engine's whole process tree is confined to (its compute threads then
+        bind to `cpu_binding` within or beside them)."""
+        return self.process_cores or self.cores
 
 
 class PortBases(msgspec.Struct, frozen=True):
@@ -106,8 +116,26 @@ def omp_binding(mine: list[int], tp: int) -> str:
     return "|".join(",".join(map(str, _share(usable, tp, r))) for r in range(tp))
 
 
+def process_cores(role: Role, mine: list[int], tp: int, prefill_cores: list[list[int]]) -> list[int] | None:
+    """Where an engine runs its processes apart from its compute threads (None: on `mine`).
+
+    An engine with a core to spare runs them there (`omp_binding` leaves it out of OpenMP).
+    A decode engine whose every core computes runs them on its node's prefill engines'
+    cores instead: its steps are on every streamed token's path, and its engine core's
+    scheduling loop, the actor's vLLM front end and NIXL would otherwise preempt each step's
+    forward pass, while a prefill engine computes in bursts. A plain vLLM server likewise
+    runs its forward pass on a core of its own (docs/performance.md, "Where a decode
+    engine's other threads run").
+    """
+    if role != "decode" or len(mine) > tp:
+        return None
+    theirs = sorted({c for cores in prefill_cores for c in cores} - set(mine))
+    return theirs or None
+
+
 def assign_slots(
     replica_nodes: list[str],
+    roles: list[Role],
     tp_sizes: list[int],
     ports: PortBases,
     bind_cores: bool,
@@ -115,9 +143,9 @@ def assign_slots(
 ) -> list[EngineSlot]:
     """Give every engine distinct ports on its host and its own cores.
 
-    `replica_nodes[i]` is the node engine i was placed on. Ports are counted per node IP,
-    not per Ray node, so several Ray nodes on one host (ray.cluster_utils.Cluster, or
-    raylets sharing a machine) never hand out the same port twice. Cores are split among
+    `replica_nodes[i]` is the node engine i (in `roles[i]`) was placed on. Ports are counted
+    per node IP, not per Ray node, so several Ray nodes on one host (ray.cluster_utils.Cluster,
+    or raylets sharing a machine) never hand out the same port twice. Cores are split among
     the engines of each Ray node, which is what its affinity mask covers.
     """
     per_node: dict[str, list[int]] = defaultdict(list)
@@ -125,14 +153,19 @@ def assign_slots(
     for i, nid in enumerate(replica_nodes):
         per_node[nid].append(i)
         per_ip[facts[nid].node_ip].append(i)
+    shares: list[list[int] | None] = []
+    for i, nid in enumerate(replica_nodes):
+        shares.append(engine_cores(facts[nid].cores, len(per_node[nid]), per_node[nid].index(i)) if bind_cores else None)
     slots: list[EngineSlot] = []
     for i, nid in enumerate(replica_nodes):
-        f = facts[nid]
-        k, n = per_node[nid].index(i), len(per_node[nid])
-        mine = engine_cores(f.cores, n, k) if bind_cores else None
-        binding = omp_binding(mine, tp_sizes[i]) if mine is not None else None
+        f, mine = facts[nid], shares[i]
         side, stream = ports.slot_ports(per_ip[f.node_ip].index(i))
-        slots.append(EngineSlot(nid, f.node_ip, f.model_path, side, binding, mine, stream))
+        if mine is None:
+            slots.append(EngineSlot(nid, f.node_ip, f.model_path, side, None, None, stream))
+            continue
+        prefills = [shares[j] or [] for j in per_node[nid] if roles[j] == "prefill"]
+        slots.append(EngineSlot(nid, f.node_ip, f.model_path, side, omp_binding(mine, tp_sizes[i]), mine, stream,
+                                process_cores(roles[i], mine, tp_sizes[i], prefills)))
     return slots
 
 
@@ -151,26 +184,33 @@ class SlotAllocator:
         self.bind_cores = bind_cores
         self.model_source = model_source
         self._facts: dict[str, NodeFacts] = {}
-        self._live: list[EngineSlot] = []
+        self._live: list[tuple[Role, EngineSlot]] = []
 
-    async def place_all(self, replica_nodes: list[str], tp_sizes: list[int]) -> list[EngineSlot]:
+    async def place_all(self, replica_nodes: list[str], roles: list[Role], tp_sizes: list[int]) -> list[EngineSlot]:
         await self._probe(set(replica_nodes))
-        slots = assign_slots(replica_nodes, tp_sizes, self.ports, self.bind_cores, self._facts)
-        self._live.extend(slots)
+        slots = assign_slots(replica_nodes, roles, tp_sizes, self.ports, self.bind_cores, self._facts)
+        self._live.extend(zip(roles, slots))
         return slots
 
-    async def place_one(self, node_id: str, tp: int) -> EngineSlot:
+    async def place_one(self, node_id: str, role: Role, tp: int) -> EngineSlot:
         await self._probe({node_id})
         f = self._facts[node_id]
-        used = {s.side_channel_port - self.ports.side_channel for s in self._live if s.node_ip == f.node_ip}
+        here = [(r, s) for r, s in self._live if s.node_id == node_id]
+        used = {s.side_channel_port - self.ports.side_channel for _, s in self._live if s.node_ip == f.node_ip}
         side, stream = self.ports.slot_ports(next(k for k in itertools.count() if k not in used))
-        mine = least_used_cores(f.cores, [s.cores or [] for s in self._live if s.node_id == node_id]) if self.bind_cores else None
-        slot = EngineSlot(node_id, f.node_ip, f.model_path, side, omp_binding(mine, tp) if mine else None, mine, stream)
-        self._live.append(slot)
+        mine = least_used_cores(f.cores, [s.cores or [] for _, s in here]) if self.bind_cores else None
+        if mine is None:
+            slot = EngineSlot(node_id, f.node_ip, f.model_path, side, None, None, stream)
+        else:
+            prefills = [s.cores or [] for r, s in here if r == "prefill"]
+            slot = EngineSlot(node_id, f.node_ip, f.model_path, side, omp_binding(mine, tp), mine, stream,
+                              process_cores(role, mine, tp, prefills))
+        self._live.append((role, slot))
         return slot
 
     def release(self, slot: EngineSlot) -> None:
-        self._live.remove(slot)
+        self._live = [(r, s) for r, s in self._live if s != slot]
+
 
     async def _probe(self, node_ids: set[str]) -> None:
         if new := node_ids - self._facts.keys():

@@ -215,8 +215,8 @@ class PoolManager:
                 "the replica counts, or add nodes"
             )
         nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for _, _, pg in planned]
-        tps = [self.cfg.pools[role].tensor_parallel_size for role, _, _ in planned]
-        slots = await self.allocator.place_all(nodes, tps)
+        roles = [role for role, _, _ in planned]
+        slots = await self.allocator.place_all(nodes, roles, [self.cfg.pools[role].tensor_parallel_size for role in roles])
         if self.tier is not None:
             await asyncio.gather(*(self.tier.ensure_store(n) for n in sorted(set(nodes))))
         for (role, engine_id, pg), slot in zip(planned, slots):
@@ -282,8 +282,9 @@ class PoolManager:
             runtime_env={"env_vars": engine_env(self.cfg, r.slot)},
             **actor_resources(pool, self.cfg.device),
         ).remote(spec)
-        logger.info("starting engine %s on node %s (side channel %s:%d, cores %s)",
-                    r.engine_id, r.slot.node_ip, r.slot.node_ip, r.slot.side_channel_port, r.slot.cpu_binding or "unbound")
+        logger.info("starting engine %s on node %s (side channel %s:%d, compute cores %s, other threads on %s)",
+                    r.engine_id, r.slot.node_ip, r.slot.node_ip, r.slot.side_channel_port, r.slot.cpu_binding or "unbound",
+                    r.slot.pinned_to or "any core")
 
     # ---- supervision ----
 
@@ -373,7 +374,7 @@ class PoolManager:
         node = placement_group_table(r.pg)["bundles_to_node_id"].get(0)
         if node is not None and node != r.slot.node_id:
             self.allocator.release(r.slot)
-            r.slot = await self.allocator.place_one(node, self.cfg.pools[r.role].tensor_parallel_size)
+            r.slot = await self.allocator.place_one(node, r.role, self.cfg.pools[r.role].tensor_parallel_size)
             if self.tier is not None:
                 await self.tier.ensure_store(node)
         self._create_actor(r)
@@ -583,7 +584,7 @@ class PoolManager:
                                pool_role(role), PLACEMENT_TIMEOUT_S, ray.available_resources())
                 return
             node = placement_group_table(pg)["bundles_to_node_id"][0]
-            slot = await self.allocator.place_one(node, self.cfg.pools[role].tensor_parallel_size)
+            slot = await self.allocator.place_one(node, role, self.cfg.pools[role].tensor_parallel_size)
             if self.tier is not None:
                 await self.tier.ensure_store(node)
             self._launch(self._replica(engine_id, role, pg, slot))

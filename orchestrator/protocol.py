@@ -69,8 +69,8 @@ class ReplicaStatus(msgspec.Struct, frozen=True):
     # Health checks that went unanswered (each is confirmed by a second before a restart).
     missed_checks: int = 0
     # The live process's vLLM children (engine core, workers: what a profiler attaches to),
-    # the cores its processes may run on (None: unbound) and the subset its OpenMP compute
-    # threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+    # the cores its processes run on apart from its OpenMP compute threads (None: unbound)
+    # and the cores those are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
     child_pids: list[int] = []
     cores: list[int] | None = None
     cpu_binding: str | None = None

@@ -2,7 +2,8 @@
 
 Pure logic first: config -> agent settings and engine environment, the core split that
 leaves room for the engine's non-OpenMP threads, per-request transfer records, the slow-
-transfer count and log. Then one real 1P1D deployment: pre-warmed before it reports ready,
+transfer count and log, how much of a decode request's prompt the decode side claims from
+the prefill engine. Then one real 1P1D deployment: pre-warmed before it reports ready,
 every thread of every engine process on its engine's cores.
 """
 
@@ -18,8 +19,10 @@ import pytest
 
 from actors.engine import _observe_connector_stats
 from actors.protocol import EngineInfo, EngineStats
+from connectors.config import PREFILLED_TOKENS
 from connectors.nixl import (
     EXTRA_CONFIG_KEY,
+    TandemNixlScheduler,
     TandemNixlStats,
     TandemNixlWorker,
     settings_from_extra_config,
@@ -269,6 +272,33 @@ def test_worker_records_each_finished_transfer_under_its_request() -> None:
     assert worker.xfer_stats.polling_request is None
 
 
+def _decode_side_scheduler(lookahead: int = 0) -> TandemNixlScheduler:
+    """The decode side's claim is all that is exercised: vLLM's backoff inputs, no engine."""
+    scheduler = TandemNixlScheduler.__new__(TandemNixlScheduler)
+    scheduler._has_mamba = scheduler._bounded_replay = False
+    scheduler.vllm_config = SimpleNamespace(num_prefill_lookahead_tokens=lookahead)
+    return scheduler
+
+
+@pytest.mark.parametrize("prompt_len", [257, 401])  # a block boundary (16-token blocks) and not
+def test_a_decode_request_past_the_prefilled_prompt_claims_only_the_prefilled_tokens(prompt_len: int) -> None:
+    """The prefill's sampled token went to the client; the decode request is the prompt plus
+    that token. Claiming the whole of it would pull into one block more than the prefill
+    sent at a block boundary (vLLM refuses that); the extra token is computed locally."""
+    scheduler = _decode_side_scheduler()
+    params = {"do_remote_prefill": True, PREFILLED_TOKENS: prompt_len - 1}
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(prompt_len)), kv_transfer_params=params)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (prompt_len - 1, True)
+    assert scheduler.get_num_new_matched_tokens(request, 32) == (prompt_len - 33, True)  # a local prefix hit
+    assert scheduler.get_num_new_matched_tokens(request, prompt_len - 1) == (0, False)  # nothing left to pull
+    # vLLM's own protocol (no prefilled count): the whole prompt, as vLLM's scheduler claims it.
+    del params[PREFILLED_TOKENS]
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (prompt_len, True)
+    # A model whose decoder recomputes trailing tokens (vLLM's backoff) claims that many fewer.
+    params[PREFILLED_TOKENS] = prompt_len - 1
+    assert _decode_side_scheduler(lookahead=3).get_num_new_matched_tokens(request, 0) == (prompt_len - 3, True)
+
+
 def test_a_slow_transfer_is_counted_and_logged_with_engine_request_bytes_and_time(caplog: pytest.LogCaptureFixture) -> None:
     stats = EngineStats(engine_id="decode-0", role="decode")
     payload = {"transfer_duration": [0.02, 1.5], "bytes_transferred": [4096, 65536], "request_ids": ["fast", "req-7"]}
@@ -312,9 +342,10 @@ def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:
 def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, tiny_model: Any) -> None:
     """Deploy 1P1D with the defaults: by the time start() returns, every P->D handshake has
     been made and a real KV block has moved over NIXL, before any user request. Every
-    thread of every engine process (actor, vLLM engine core, worker) runs on its engine's
-    cores only: vLLM's NIXL worker moves its compute thread to the host's last core, which
-    is another engine's, and TandemNixlConnector moves it back. Every thread also runs at
+    thread of every engine process (actor, vLLM engine core, worker) runs where placement
+    put it: the worker's (the forward pass's) on the engine's compute cores only (vLLM's NIXL
+    worker moves its compute thread to the host's last core, which is another engine's, and
+    TandemNixlConnector moves it back), the others on the engine's other cores. Every thread also runs at
     Tandem's worker niceness, not Ray's default 15 (orchestrator/cluster.py says why).
 
     The idle-CPU target (< 0.1 core for an idle 1P1D) is a performance figure, so it lives in
@@ -336,13 +367,23 @@ def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, t
         deployment.stop()
     assert moved.num_transfers == 1, "exactly the pre-warm request's pull"
     assert moved.bytes > 0 and moved.num_failed == 0
-    cores = {eid: set(info.cores or []) for eid, info in infos.items()}
-    assert cores["prefill-0"] and cores["decode-0"] and cores["prefill-0"].isdisjoint(cores["decode-0"])
+    compute = {eid: {int(c) for c in (info.cpu_binding or "").split(",") if c} for eid, info in infos.items()}
+    assert compute["prefill-0"] and compute["decode-0"] and compute["prefill-0"].isdisjoint(compute["decode-0"])
+    if len(os.sched_getaffinity(0)) // 2 == 1:
+        # One core each: the decode engine's other threads run on the prefill engine's core,
+        # its forward pass alone on its own (placement.process_cores).
+        assert infos["decode-0"].cores == infos["prefill-0"].cores == sorted(compute["prefill-0"])
+    else:
+        assert compute["decode-0"] < set(infos["decode-0"].cores or []), "a core left out of OpenMP"
     for eid, info in infos.items():
         assert len({name for name, _, _ in threads[eid]}) >= 3, "actor, engine core and worker"
         assert info.niceness == WORKER_NICENESS, "the embedded Ray starts its workers at Tandem's niceness"
         for name, affinity, nice in threads[eid]:
-            assert affinity <= cores[eid], f"{eid}: a thread of {name} runs on cores {affinity}"
+            others = set(info.cores or [])
+            # A worker beside its engine's other threads may also have threads started before
+            # OpenMP bound it; one whose engine moved them elsewhere stays on its own cores.
+            allowed = compute[eid] if name == "VLLM::Worker" and not compute[eid] <= others else others
+            assert affinity <= allowed, f"{eid}: a thread of {name} runs on cores {affinity}, not within {allowed}"
             assert nice == WORKER_NICENESS, f"{eid}: a thread of {name} runs at niceness {nice}"
 
 

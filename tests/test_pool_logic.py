@@ -12,7 +12,16 @@ import pytest
 from actors.load import LoadMeter
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
-from orchestrator.placement import NodeFacts, PortBases, actor_resources, assign_slots, least_used_cores, placement_bundles
+from orchestrator.placement import (
+    EngineSlot,
+    NodeFacts,
+    PortBases,
+    SlotAllocator,
+    actor_resources,
+    assign_slots,
+    least_used_cores,
+    placement_bundles,
+)
 from orchestrator.protocol import DeploymentStatus, PoolStatus, ReplicaStatus, TierStatus
 from orchestrator.status import render, to_json
 
@@ -149,10 +158,50 @@ def test_engines_sharing_a_host_take_consecutive_ports_of_each_kind() -> None:
     """Two Ray nodes on one host (as ray.cluster_utils.Cluster starts them) count as one host."""
     facts = {"a": NodeFacts("a", "10.0.0.1", [0, 1], "/m"), "b": NodeFacts("b", "10.0.0.1", [0, 1], "/m"),
              "c": NodeFacts("c", "10.0.0.2", [0, 1], "/m")}
-    slots = assign_slots(["a", "b", "c", "a"], [1, 1, 1, 1], PortBases(5600, 7000), False, facts)
+    slots = assign_slots(["a", "b", "c", "a"], ["prefill", "decode", "decode", "decode"], [1, 1, 1, 1], PortBases(5600, 7000), False, facts)
     assert [(s.node_ip, s.side_channel_port, s.stream_port) for s in slots] == [
         ("10.0.0.1", 5600, 7000), ("10.0.0.1", 5601, 7001), ("10.0.0.2", 5600, 7000), ("10.0.0.1", 5602, 7002)]
-    assert {s.stream_port for s in assign_slots(["a", "c"], [1, 1], PortBases(5600), False, facts)} == {None}
+    assert {s.stream_port for s in assign_slots(["a", "c"], ["prefill", "decode"], [1, 1], PortBases(5600), False, facts)} == {None}
+
+
+def test_a_decode_engine_with_no_core_to_spare_runs_its_other_threads_on_the_prefill_engines_cores() -> None:
+    """On a 2-core host 1P1D gives each engine one core: the decode engine's forward pass
+    keeps its core to itself (docs/performance.md, "Where a decode engine's other threads
+    run"); engines with a core to spare keep everything on their own cores."""
+    two = {"n": NodeFacts("n", "10.0.0.1", [0, 1], "/m")}
+    prefill, decode = assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), True, two)
+    assert (prefill.cores, prefill.cpu_binding, prefill.pinned_to) == ([0], "0", [0])
+    assert (decode.cores, decode.cpu_binding, decode.pinned_to) == ([1], "1", [0])
+    eight = {"n": NodeFacts("n", "10.0.0.1", list(range(8)), "/m")}
+    prefill, decode = assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), True, eight)
+    assert (decode.cores, decode.cpu_binding, decode.pinned_to) == ([4, 5, 6, 7], "4,5,6", [4, 5, 6, 7])
+    # TP ranks taking every core, and several prefill engines: all the prefill engines' cores.
+    six = {"n": NodeFacts("n", "10.0.0.1", list(range(6)), "/m")}
+    slots = assign_slots(["n", "n", "n"], ["prefill", "decode", "prefill"], [1, 2, 1], PortBases(5600), True, six)
+    assert [(s.cpu_binding, s.pinned_to) for s in slots] == [("0", [0, 1]), ("2|3", [0, 1, 4, 5]), ("4", [4, 5])]
+    # No prefill engine on the node (or colocated engines): nowhere else to go.
+    four = {"n": NodeFacts("n", "10.0.0.1", [0, 1, 2, 3], "/m")}
+    (decode,) = assign_slots(["n"], ["decode"], [4], PortBases(5600), True, four)
+    assert decode.pinned_to == [0, 1, 2, 3] and decode.process_cores is None
+    both = assign_slots(["n", "n"], ["both", "both"], [1, 1], PortBases(5600), True, two)
+    assert [s.pinned_to for s in both] == [[0], [1]]
+    # Unbound engines stay unbound.
+    assert assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), False, two)[1].pinned_to is None
+
+
+def test_a_decode_engine_added_later_also_leaves_its_core_to_its_forward_pass() -> None:
+    async def place() -> tuple[EngineSlot, EngineSlot, EngineSlot]:
+        allocator = SlotAllocator(PortBases(5600), True, "/m")
+        allocator._facts = {"n": NodeFacts("n", "10.0.0.1", [0, 1, 2, 3], "/m")}  # probed already
+        prefill, decode = await allocator.place_all(["n", "n"], ["prefill", "decode"], [1, 1])
+        assert (prefill.cpu_binding, decode.cpu_binding, decode.process_cores) == ("0", "2", None)
+        more = await allocator.place_one("n", "decode", 1)  # a third engine: one core, the least used
+        allocator.release(more)
+        return more, await allocator.place_one("n", "prefill", 1), decode
+
+    more, instead, decode = asyncio.run(place())
+    assert (more.cores, more.cpu_binding, more.pinned_to) == ([0], "0", [1])
+    assert instead == msgspec.structs.replace(more, process_cores=None)  # a prefill engine keeps to its core
 
 
 def test_engine_port_ranges_may_not_overlap() -> None:
