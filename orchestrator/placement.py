@@ -158,15 +158,20 @@ def assign_slots(
         shares.append(engine_cores(facts[nid].cores, len(per_node[nid]), per_node[nid].index(i)) if bind_cores else None)
     slots: list[EngineSlot] = []
     for i, nid in enumerate(replica_nodes):
-        f, mine = facts[nid], shares[i]
-        side, stream = ports.slot_ports(per_ip[f.node_ip].index(i))
-        if mine is None:
-            slots.append(EngineSlot(nid, f.node_ip, f.model_path, side, None, None, stream))
-            continue
+        side, stream = ports.slot_ports(per_ip[facts[nid].node_ip].index(i))
         prefills = [shares[j] or [] for j in per_node[nid] if roles[j] == "prefill"]
-        slots.append(EngineSlot(nid, f.node_ip, f.model_path, side, omp_binding(mine, tp_sizes[i]), mine, stream,
-                                process_cores(roles[i], mine, tp_sizes[i], prefills)))
+        slots.append(_slot(facts[nid], side, stream, roles[i], tp_sizes[i], shares[i], prefills))
     return slots
+
+
+def _slot(f: NodeFacts, side: int, stream: int | None, role: Role, tp: int, mine: list[int] | None,
+          prefill_cores: list[list[int]]) -> EngineSlot:
+    """An engine's slot on node `f` with cores `mine` (None: unbound), beside prefill engines
+    holding `prefill_cores` there."""
+    if mine is None:
+        return EngineSlot(f.node_id, f.node_ip, f.model_path, side, None, None, stream)
+    return EngineSlot(f.node_id, f.node_ip, f.model_path, side, omp_binding(mine, tp), mine, stream,
+                      process_cores(role, mine, tp, prefill_cores))
 
 
 class SlotAllocator:
@@ -199,18 +204,12 @@ class SlotAllocator:
         used = {s.side_channel_port - self.ports.side_channel for _, s in self._live if s.node_ip == f.node_ip}
         side, stream = self.ports.slot_ports(next(k for k in itertools.count() if k not in used))
         mine = least_used_cores(f.cores, [s.cores or [] for _, s in here]) if self.bind_cores else None
-        if mine is None:
-            slot = EngineSlot(node_id, f.node_ip, f.model_path, side, None, None, stream)
-        else:
-            prefills = [s.cores or [] for r, s in here if r == "prefill"]
-            slot = EngineSlot(node_id, f.node_ip, f.model_path, side, omp_binding(mine, tp), mine, stream,
-                              process_cores(role, mine, tp, prefills))
+        slot = _slot(f, side, stream, role, tp, mine, [s.cores or [] for r, s in here if r == "prefill"])
         self._live.append((role, slot))
         return slot
 
     def release(self, slot: EngineSlot) -> None:
         self._live = [(r, s) for r, s in self._live if s != slot]
-
 
     async def _probe(self, node_ids: set[str]) -> None:
         if new := node_ids - self._facts.keys():
