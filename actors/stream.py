@@ -45,6 +45,7 @@ logger = logging.getLogger("tandem.stream")
 
 REQUEST, OUTPUT, ERROR, END = b"G", b"O", b"E", b"D"
 _LOST = b""  # not a wire frame: put in a stream's inbox when its connection is lost
+_MONITOR_IDS = itertools.count()  # each client's connection-event endpoint (StreamClient)
 
 # libzmq pings each connection this often and drops one that has not answered for this long:
 # how a router learns that an engine's node vanished without closing its connections (the
@@ -211,8 +212,12 @@ class StreamClient:
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         _configure(self._sock)
         self._sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+        # An endpoint of its own: pyzmq's default name comes from the socket's fd number, which
+        # a later socket reuses while the closed one's monitor may still hold that name
+        # ("Address already in use" for a router reconnecting to a restarted engine).
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED,
+            addr=f"inproc://tandem-token-path-monitor-{next(_MONITOR_IDS)}")
         self._sock.connect(address)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]

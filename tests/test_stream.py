@@ -49,6 +49,32 @@ def test_outputs_arrive_in_order_and_concurrent_streams_do_not_mix() -> None:
     run(go)
 
 
+def test_a_client_works_where_a_closed_sockets_monitor_endpoint_is_still_taken() -> None:
+    """pyzmq names a socket's monitor endpoint after its fd number, which a new socket reuses;
+    a closed client's monitor may still hold that name (CI saw "Address already in use" in a
+    router test). Every such name a new socket could get is taken here first."""
+
+    async def go() -> None:
+        import zmq
+        import zmq.asyncio
+
+        server = StreamServer("127.0.0.1")
+        server.start(count_up)
+        squatter = zmq.asyncio.Context.instance().socket(zmq.PAIR)  # inproc names are per context
+        for fd in range(4096):
+            squatter.bind(f"inproc://monitor.s-{fd}")
+        try:
+            client = StreamClient(server.address)
+            assert client._sock.FD < 4096, "the new socket's default monitor name was among those taken"
+            assert await collect(client.generate(req("a", 3))) == [("a", i) for i in range(3)]
+            client.close()
+        finally:
+            squatter.close(linger=0)
+            server.close()
+
+    run(go)
+
+
 def test_outputs_that_waited_for_a_busy_consumer_leave_merged_none_lost_or_reordered() -> None:
     """With a merge (the router's: vLLM's delta merge), a consumer that lags gets what arrived
     meanwhile as one output, as vLLM's own output collector gives it, and one that keeps up
