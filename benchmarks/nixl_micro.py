@@ -1,16 +1,25 @@
 """Raw NIXL bandwidth for the KV block shapes a model uses, to set serving's KV rate against.
 
-Two NIXL agents in this process, each with a host-memory pool, READ from each other over UCX
-(DRAM<->DRAM, as a decode engine pulls a prefill engine's blocks on a CPU host). A transfer of
-`n` KV blocks is cut the way vLLM's NixlConnector cuts it: one descriptor per layer, per K and
-V, per block. What serving achieves (bytes / transfer seconds from /metrics) divided by this
-figure is the transfer efficiency of the whole path: handshakes, notifications, scheduling.
+Two NIXL agents in this process, each with a pool, READ from each other over UCX. On a CPU
+host both pools are host memory (DRAM<-DRAM, as a decode engine pulls a prefill engine's
+blocks there); on a GPU node `--paths` names GPU pools too: `VRAM0:VRAM1` is a decode GPU
+pulling from a prefill GPU on the same node (NVLink or PCIe), `VRAM0:DRAM` a GPU loading
+blocks from host memory (the CPU tier's direction), `DRAM:VRAM0` the reverse (a save). A
+transfer of `n` KV blocks is cut the way vLLM's NixlConnector cuts it: one descriptor per
+layer, per K and V, per block. What serving achieves (bytes / transfer seconds from /metrics)
+divided by this figure is the transfer efficiency of the whole path: handshakes,
+notifications, scheduling.
 
 The agents run without a progress thread (as Tandem's KV store does): the nixl Python API
 hard-codes `pthrDelay = 0`, so a progress thread would spin a core that the measurement needs.
 The timing loop polls both agents instead (the target's UCX worker must progress for wire-up).
 
     python -m benchmarks.nixl_micro --model ~/.cache/tandem/tiny-llama-v1 --block-size 128
+    python benchmarks/nixl_micro.py --model llama-3-8b/ --block-size 16 --prompt-tokens 2048 \
+        --paths VRAM0:VRAM0,VRAM0:DRAM,DRAM:VRAM0 --json nixl-gpu.json
+
+(The second form runs the file alone, so a GPU node needs only nixl, msgspec, numpy and a CUDA
+build of torch, not the rest of Tandem's bench.)
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
 from actors.nixl_agent import make_nixl_agent
+
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -69,6 +80,36 @@ class KVGeometry(msgspec.Struct, frozen=True):
         )
 
 
+class Memory(msgspec.Struct, frozen=True):
+    """Where a pool lives: host memory, or GPU `device`'s memory."""
+
+    kind: Literal["DRAM", "VRAM"] = "DRAM"
+    device: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Memory:
+        """`DRAM`, `VRAM` (GPU 0) or `VRAM<n>`."""
+        if text == "DRAM":
+            return cls()
+        if text.startswith("VRAM") and (text[4:] == "" or text[4:].isdigit()):
+            return cls("VRAM", int(text[4:] or 0))
+        raise ValueError(f"memory {text!r}: write DRAM, VRAM or VRAM<gpu index>, e.g. VRAM1")
+
+    def __str__(self) -> str:
+        return "DRAM" if self.kind == "DRAM" else f"VRAM{self.device}"
+
+
+def parse_paths(text: str) -> list[tuple[Memory, Memory]]:
+    """`reader:target[,reader:target...]`, e.g. `VRAM0:VRAM1,VRAM0:DRAM`."""
+    paths = []
+    for pair in text.split(","):
+        reader, sep, target = pair.strip().partition(":")
+        if not sep:
+            raise ValueError(f"path {pair!r}: write reader:target, e.g. VRAM0:DRAM (the reader pulls from the target)")
+        paths.append((Memory.parse(reader), Memory.parse(target)))
+    return paths
+
+
 class MicroResult(msgspec.Struct, frozen=True):
     """One transfer size, timed over many iterations."""
 
@@ -79,6 +120,7 @@ class MicroResult(msgspec.Struct, frozen=True):
     iterations: int
     median_s: float
     p90_s: float
+    path: str = "DRAM <- DRAM"  # reader's memory <- target's memory
 
     @property
     def gib_per_s(self) -> float:
@@ -86,21 +128,39 @@ class MicroResult(msgspec.Struct, frozen=True):
 
 
 class _Agent:
-    """A NIXL agent owning one registered host pool."""
+    """A NIXL agent owning one registered pool, in host memory or on a GPU."""
 
-    def __init__(self, pool_bytes: int) -> None:
-        self.pool = np.ones(pool_bytes, dtype=np.uint8)  # touched, so pages are committed
+    def __init__(self, pool_bytes: int, memory: Memory) -> None:
+        self.memory = memory
+        self.pool: Any
+        if memory.kind == "DRAM":
+            self.pool = np.ones(pool_bytes, dtype=np.uint8)  # touched, so pages are committed
+            self.base = self.pool.ctypes.data
+        else:
+            self.pool = _gpu_pool(pool_bytes, memory.device)
+            self.base = self.pool.data_ptr()
         # Tandem's one agent builder, as the tier's worker makes its agent (one thread, no
         # progress thread): what is measured is the agent serving uses.
         self.agent = make_nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", progress_thread=False)
-        self.reg = self.agent.register_memory([(self.pool.ctypes.data, pool_bytes, 0, "")], "DRAM")
+        self.reg = self.agent.register_memory([(self.base, pool_bytes, memory.device, "")], memory.kind)
 
     def descs(self, chunk_bytes: int, num_chunks: int) -> object:
-        base = self.pool.ctypes.data
-        return self.agent.get_xfer_descs([(base + i * chunk_bytes, chunk_bytes, 0) for i in range(num_chunks)], "DRAM")
+        dev = self.memory.device
+        return self.agent.get_xfer_descs([(self.base + i * chunk_bytes, chunk_bytes, dev) for i in range(num_chunks)], self.memory.kind)
 
     def close(self) -> None:
         self.agent.deregister_memory(self.reg)
+
+
+def _gpu_pool(pool_bytes: int, device: int) -> Any:
+    """A filled pool of `pool_bytes` on GPU `device`, through torch (imported only here: a CPU
+    host measures DRAM alone)."""
+    import torch
+
+    if not torch.cuda.is_available() or device >= torch.cuda.device_count():
+        raise SystemExit(f"VRAM{device}: this host's torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                         "GPU(s); measure DRAM here, or run on a GPU node with a CUDA build of torch")
+    return torch.ones(pool_bytes, dtype=torch.uint8, device=f"cuda:{device}")
 
 
 def _time_reads(reader: _Agent, target: _Agent, chunk_bytes: int, num_chunks: int, iterations: int, warmup: int) -> list[float]:
@@ -123,11 +183,15 @@ def _time_reads(reader: _Agent, target: _Agent, chunk_bytes: int, num_chunks: in
     return times
 
 
-def run_micro(geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], iterations: int = 50, warmup: int = 5) -> list[MicroResult]:
-    """Time READs of each (label, number of blocks) between two fresh agents."""
+def run_micro(
+    geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], iterations: int = 50, warmup: int = 5,
+    reader_memory: Memory = Memory(), target_memory: Memory = Memory(),
+) -> list[MicroResult]:
+    """Time READs of each (label, number of blocks) between two fresh agents, the reader's pool
+    in `reader_memory` pulling from the target's in `target_memory`."""
     max_chunks = 2 * geometry.num_layers * max(n for _, n in block_counts)
     pool = max_chunks * geometry.chunk_bytes
-    reader, target = _Agent(pool), _Agent(pool)
+    reader, target = _Agent(pool, reader_memory), _Agent(pool, target_memory)
     try:
         reader.agent.add_remote_agent(target.agent.get_agent_metadata())
         results = []
@@ -142,6 +206,7 @@ def run_micro(geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], ite
                 iterations=iterations,
                 median_s=float(np.median(times)),
                 p90_s=float(np.percentile(times, 90)),
+                path=f"{reader_memory} <- {target_memory}",
             ))
         reader.agent.remove_remote_agent(target.agent.name)
         return results
@@ -150,17 +215,20 @@ def run_micro(geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], ite
         target.close()
 
 
-def standard_sizes(geometry: KVGeometry, prompt_tokens: int) -> list[tuple[str, int]]:
-    """One block, one prompt's blocks, and a 16 MiB batch (the asymptotic bandwidth)."""
-    big = max(1, (16 * 2**20) // geometry.block_bytes)
-    return [("1 block", 1), (f"{prompt_tokens}-token prompt", geometry.num_blocks(prompt_tokens)), ("16 MiB", big)]
+def standard_sizes(geometry: KVGeometry, prompt_tokens: int, batch_bytes: int = 16 * 2**20) -> list[tuple[str, int]]:
+    """One block, one prompt's blocks, and a batch of `batch_bytes` (the asymptotic bandwidth;
+    16 MiB suits a host's memory, a GPU wants more)."""
+    big = max(1, batch_bytes // geometry.block_bytes)
+    return [("1 block", 1), (f"{prompt_tokens}-token prompt", geometry.num_blocks(prompt_tokens)), (f"{batch_bytes / 2**20:g} MiB", big)]
 
 
 def markdown(results: Sequence[MicroResult]) -> str:
     """A table of the raw figures."""
-    lines = ["| Transfer | Blocks | Bytes | Descriptors | Median (ms) | p90 (ms) | GiB/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| Transfer | Memory (reader <- target) | Blocks | Bytes | Descriptors | Median (ms) | p90 (ms) | GiB/s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        lines.append(f"| raw NIXL READ, {r.label} | {r.num_blocks} | {r.num_bytes:,} | {r.num_descs} | {1000 * r.median_s:.3f} | {1000 * r.p90_s:.3f} | {r.gib_per_s:.2f} |")
+        lines.append(f"| raw NIXL READ, {r.label} | {r.path} | {r.num_blocks} | {r.num_bytes:,} | {r.num_descs} "
+                     f"| {1000 * r.median_s:.3f} | {1000 * r.p90_s:.3f} | {r.gib_per_s:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -169,10 +237,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="model folder holding config.json")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per KV block of the engines")
     parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--batch-mib", type=float, default=16, help="the largest transfer, MiB (default %(default)s)")
+    parser.add_argument("--paths", default="DRAM:DRAM", help="reader:target memory pairs, comma-separated: DRAM, VRAM<n> (default %(default)s)")
     parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)
+    try:
+        paths = parse_paths(args.paths)
+    except ValueError as e:
+        parser.error(f"--paths: {e}")
     geometry = KVGeometry.from_model(args.model, args.block_size)
-    print(markdown(run_micro(geometry, standard_sizes(geometry, args.prompt_tokens), args.iterations)))
+    sizes = standard_sizes(geometry, args.prompt_tokens, int(args.batch_mib * 2**20))
+    results = [r for reader, target in paths for r in run_micro(geometry, sizes, args.iterations, reader_memory=reader, target_memory=target)]
+    print(markdown(results))
+    if args.json:
+        args.json.write_bytes(msgspec.json.encode({"geometry": geometry, "results": results}))
 
 
 if __name__ == "__main__":

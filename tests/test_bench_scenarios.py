@@ -15,7 +15,7 @@ from benchmarks.bench import add_arguments, options_from_args, scenario_names
 from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
 from benchmarks.report import overhead_table, phase_table, routing_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import HostCpu, RunConfig, RunResult, environment
-from benchmarks.nixl_micro import KVGeometry, standard_sizes
+from benchmarks.nixl_micro import KVGeometry, Memory, markdown, parse_paths, run_micro, standard_sizes
 from benchmarks.phases import (
     CACHE_HIT_TOKENS,
     COMPUTED_TOKENS,
@@ -161,6 +161,32 @@ def test_kv_geometry_counts_block_bytes_from_the_model_shape() -> None:
     assert g.chunk_bytes == 128 * 2 * 32 * 2
     assert g.block_bytes == 2 * 2 * g.chunk_bytes == 65536
     assert [n for _, n in standard_sizes(g, 257)] == [1, 3, 256]
+    assert standard_sizes(g, 257, batch_bytes=2**30)[-1] == ("1024 MiB", 2**30 // 65536)
+
+
+def test_micro_paths_name_reader_and_target_memory() -> None:
+    assert parse_paths("DRAM:DRAM") == [(Memory(), Memory())]
+    assert parse_paths("VRAM0:VRAM1, VRAM:DRAM") == [(Memory("VRAM", 0), Memory("VRAM", 1)), (Memory("VRAM", 0), Memory())]
+    assert str(Memory("VRAM", 3)) == "VRAM3" and str(Memory()) == "DRAM"
+    for bad, named in (("VRAM0", "reader:target"), ("GPU:DRAM", "'GPU'"), ("DRAM:VRAMx", "'VRAMx'")):
+        with pytest.raises(ValueError, match=named):
+            parse_paths(bad)
+
+
+def test_micro_reads_real_blocks_between_two_nixl_agents() -> None:
+    """Real NIXL agents over UCX in host memory, as `tandem bench` runs it after the scenarios."""
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
+    results = run_micro(g, [("1 block", 1), ("4 blocks", 4)], iterations=3, warmup=1)
+    assert [(r.num_blocks, r.num_descs, r.num_bytes, r.path) for r in results] == [
+        (1, 4, g.block_bytes, "DRAM <- DRAM"), (4, 16, 4 * g.block_bytes, "DRAM <- DRAM")]
+    assert all(0 < r.median_s <= r.p90_s and r.gib_per_s > 0 for r in results)
+    assert "| raw NIXL READ, 4 blocks | DRAM <- DRAM | 4 | 32,768 | 16 |" in markdown(results)
+
+
+def test_micro_on_a_gpu_path_without_a_gpu_says_what_to_do() -> None:
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
+    with pytest.raises(SystemExit, match="VRAM0: this host's torch sees 0 GPU"):
+        run_micro(g, [("1 block", 1)], iterations=1, reader_memory=Memory("VRAM", 0))
 
 
 # ---- phase arithmetic ----------------------------------------------------------------
