@@ -19,7 +19,9 @@ The timing loop polls both agents instead (the target's UCX worker must progress
         --paths VRAM0:VRAM0,VRAM0:DRAM,DRAM:VRAM0 --json nixl-gpu.json
 
 (The second form runs the file alone, so a GPU node needs only nixl, msgspec, numpy and a CUDA
-build of torch, not the rest of Tandem's bench.)
+build of torch, not the rest of Tandem's bench.) `--processes 2` puts the target agent in a
+process of its own, as a prefill engine is to the decode engine pulling from it: transports
+such as CUDA IPC and CMA only work between processes.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +42,6 @@ import msgspec
 import numpy as np
 
 from actors.nixl_agent import make_nixl_agent
-
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -144,9 +148,10 @@ class _Agent:
         self.agent = make_nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", progress_thread=False)
         self.reg = self.agent.register_memory([(self.base, pool_bytes, memory.device, "")], memory.kind)
 
-    def descs(self, chunk_bytes: int, num_chunks: int) -> object:
-        dev = self.memory.device
-        return self.agent.get_xfer_descs([(self.base + i * chunk_bytes, chunk_bytes, dev) for i in range(num_chunks)], self.memory.kind)
+    def descs(self, base: int, memory: Memory, chunk_bytes: int, num_chunks: int) -> object:
+        """Descriptors of `num_chunks` chunks from `base` in `memory`: this agent's own pool or
+        a peer's."""
+        return self.agent.get_xfer_descs([(base + i * chunk_bytes, chunk_bytes, memory.device) for i in range(num_chunks)], memory.kind)
 
     def close(self) -> None:
         self.agent.deregister_memory(self.reg)
@@ -163,16 +168,76 @@ def _gpu_pool(pool_bytes: int, device: int) -> Any:
     return torch.ones(pool_bytes, dtype=torch.uint8, device=f"cuda:{device}")
 
 
-def _time_reads(reader: _Agent, target: _Agent, chunk_bytes: int, num_chunks: int, iterations: int, warmup: int) -> list[float]:
+def _serve_pool(conn: Connection, pool_bytes: int, memory: Memory) -> None:
+    """The target in a process of its own, as a prefill engine is to the decode engine pulling
+    from it: send the agent's metadata and pool address, then keep its worker progressing
+    until told to stop."""
+    target = _Agent(pool_bytes, memory)
+    try:
+        conn.send((target.agent.get_agent_metadata(), target.base))
+        while not conn.poll(0):
+            target.agent.get_new_notifs()
+    finally:
+        target.close()
+
+
+class _Target(msgspec.Struct, frozen=True):
+    """What the reader knows of the target: its agent's name, pool address and memory, and how
+    to make its worker progress when it shares the reader's thread (None: it progresses itself)."""
+
+    name: str
+    base: int
+    memory: Memory
+    poll: Callable[[], object] | None
+
+
+@contextmanager
+def _target(pool_bytes: int, memory: Memory, reader: _Agent, processes: int) -> Iterator[_Target]:
+    """The target agent, in the reader's process or (processes=2) a spawned one, added to the
+    reader's peers."""
+    if processes == 1:
+        agent = _Agent(pool_bytes, memory)
+        try:
+            name = reader.agent.add_remote_agent(agent.agent.get_agent_metadata())
+            yield _Target(name, agent.base, memory, agent.agent.get_new_notifs)
+            reader.agent.remove_remote_agent(name)
+        finally:
+            agent.close()
+        return
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve_pool, args=(there, pool_bytes, memory), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not here.poll(0.5):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the target process (pid {proc.pid}, exit code {proc.exitcode}) sent no agent metadata")
+        metadata, base = here.recv()
+        name = reader.agent.add_remote_agent(metadata)
+        yield _Target(name, base, memory, None)
+        reader.agent.remove_remote_agent(name)
+    finally:
+        if proc.is_alive():
+            here.send("stop")
+            proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _time_reads(reader: _Agent, target: _Target, chunk_bytes: int, num_chunks: int, iterations: int, warmup: int) -> list[float]:
     """Seconds per READ of `num_chunks` descriptors, from initiation to completion seen."""
-    handle = reader.agent.initialize_xfer("READ", reader.descs(chunk_bytes, num_chunks), target.descs(chunk_bytes, num_chunks), target.agent.name)
+    local = reader.descs(reader.base, reader.memory, chunk_bytes, num_chunks)
+    remote = reader.descs(target.base, target.memory, chunk_bytes, num_chunks)
+    handle = reader.agent.initialize_xfer("READ", local, remote, target.name)
     times = []
     try:
         for i in range(warmup + iterations):
             t0 = time.perf_counter()
             state = reader.agent.transfer(handle)
             while state not in ("DONE", "ERR"):
-                target.agent.get_new_notifs()  # the target's worker, in this same thread, needs progress too
+                if target.poll is not None:
+                    target.poll()  # the target's worker, in this same thread, needs progress too
                 state = reader.agent.check_xfer_state(handle)
             if state == "ERR":
                 raise RuntimeError("NIXL transfer failed")
@@ -185,34 +250,36 @@ def _time_reads(reader: _Agent, target: _Agent, chunk_bytes: int, num_chunks: in
 
 def run_micro(
     geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], iterations: int = 50, warmup: int = 5,
-    reader_memory: Memory = Memory(), target_memory: Memory = Memory(),
+    reader_memory: Memory = Memory(), target_memory: Memory = Memory(), processes: int = 1,
 ) -> list[MicroResult]:
     """Time READs of each (label, number of blocks) between two fresh agents, the reader's pool
-    in `reader_memory` pulling from the target's in `target_memory`."""
+    in `reader_memory` pulling from the target's in `target_memory`; the target in the
+    reader's process, or (processes=2) in one of its own, as engines are."""
+    if processes not in (1, 2):
+        raise ValueError(f"processes={processes}: 1 (both agents in this process) or 2 (the target in its own)")
     max_chunks = 2 * geometry.num_layers * max(n for _, n in block_counts)
     pool = max_chunks * geometry.chunk_bytes
-    reader, target = _Agent(pool, reader_memory), _Agent(pool, target_memory)
+    reader = _Agent(pool, reader_memory)
+    path = f"{reader_memory} <- {target_memory}" + ("" if processes == 1 else ", two processes")
     try:
-        reader.agent.add_remote_agent(target.agent.get_agent_metadata())
-        results = []
-        for label, n in block_counts:
-            num_chunks = 2 * geometry.num_layers * n
-            times = _time_reads(reader, target, geometry.chunk_bytes, num_chunks, iterations, warmup)
-            results.append(MicroResult(
-                label=label,
-                num_blocks=n,
-                num_bytes=num_chunks * geometry.chunk_bytes,
-                num_descs=num_chunks,
-                iterations=iterations,
-                median_s=float(np.median(times)),
-                p90_s=float(np.percentile(times, 90)),
-                path=f"{reader_memory} <- {target_memory}",
-            ))
-        reader.agent.remove_remote_agent(target.agent.name)
-        return results
+        with _target(pool, target_memory, reader, processes) as target:
+            results = []
+            for label, n in block_counts:
+                num_chunks = 2 * geometry.num_layers * n
+                times = _time_reads(reader, target, geometry.chunk_bytes, num_chunks, iterations, warmup)
+                results.append(MicroResult(
+                    label=label,
+                    num_blocks=n,
+                    num_bytes=num_chunks * geometry.chunk_bytes,
+                    num_descs=num_chunks,
+                    iterations=iterations,
+                    median_s=float(np.median(times)),
+                    p90_s=float(np.percentile(times, 90)),
+                    path=path,
+                ))
+            return results
     finally:
         reader.close()
-        target.close()
 
 
 def standard_sizes(geometry: KVGeometry, prompt_tokens: int, batch_bytes: int = 16 * 2**20) -> list[tuple[str, int]]:
@@ -239,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--batch-mib", type=float, default=16, help="the largest transfer, MiB (default %(default)s)")
     parser.add_argument("--paths", default="DRAM:DRAM", help="reader:target memory pairs, comma-separated: DRAM, VRAM<n> (default %(default)s)")
+    parser.add_argument("--processes", type=int, choices=(1, 2), default=1,
+                        help="2: the target agent in a process of its own, as a prefill engine is (default %(default)s)")
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)
@@ -248,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--paths: {e}")
     geometry = KVGeometry.from_model(args.model, args.block_size)
     sizes = standard_sizes(geometry, args.prompt_tokens, int(args.batch_mib * 2**20))
-    results = [r for reader, target in paths for r in run_micro(geometry, sizes, args.iterations, reader_memory=reader, target_memory=target)]
+    results = [r for reader, target in paths for r in run_micro(geometry, sizes, args.iterations, reader_memory=reader, target_memory=target, processes=args.processes)]
     print(markdown(results))
     if args.json:
         args.json.write_bytes(msgspec.json.encode({"geometry": geometry, "results": results}))

@@ -183,6 +183,16 @@ def test_micro_reads_real_blocks_between_two_nixl_agents() -> None:
     assert "| raw NIXL READ, 4 blocks | DRAM <- DRAM | 4 | 32,768 | 16 |" in markdown(results)
 
 
+def test_micro_reads_from_a_target_agent_in_a_process_of_its_own() -> None:
+    """As a decode engine pulls from a prefill engine: the target agent in a spawned process."""
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
+    (result,) = run_micro(g, [("4 blocks", 4)], iterations=3, warmup=1, processes=2)
+    assert (result.num_descs, result.num_bytes, result.path) == (16, 4 * g.block_bytes, "DRAM <- DRAM, two processes")
+    assert 0 < result.median_s <= result.p90_s
+    with pytest.raises(ValueError, match="processes=3"):
+        run_micro(g, [("1 block", 1)], processes=3)
+
+
 def test_micro_on_a_gpu_path_without_a_gpu_says_what_to_do() -> None:
     g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
     with pytest.raises(SystemExit, match="VRAM0: this host's torch sees 0 GPU"):
