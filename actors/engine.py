@@ -31,6 +31,7 @@ import msgspec
 import psutil
 import ray
 
+from actors.affinity import node_cores, pin_process
 from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
 from actors.logs import setup_logging
@@ -94,19 +95,6 @@ STARTED_MEMORY = 10_000
 # A router's cache_updates call that saw a change (or timed out) waits this long more, so
 # that the events of one busy stretch reach routers in a few calls rather than one per step.
 CACHE_UPDATE_COALESCE_S = 0.01
-
-
-def _pin_process(cores: list[int]) -> None:
-    """Confine every thread of this process, and so every process it spawns later, to `cores`.
-
-    vLLM binds only its OpenMP compute threads; its scheduler process, this actor's event
-    loop and NIXL would otherwise float onto other engines' cores and preempt their steps.
-    """
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
 
 
 def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) -> None:
@@ -267,8 +255,11 @@ class EngineActor:
         events_endpoint = f"ipc://{tempfile.gettempdir()}/tandem-kv-events-{spec.engine_id}-{self.incarnation}"
         self.kv_events = KVEventFollower(events_endpoint)
         args.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
-        if spec.cores is not None:
-            _pin_process(spec.cores)
+        # vLLM binds only its OpenMP compute threads; its scheduler process, this actor's
+        # event loop and NIXL would otherwise float onto other engines' cores and preempt
+        # their steps. An unbound engine takes the whole node: Ray's worker it runs in may
+        # have inherited a narrower mask (orchestrator.cluster.confine_own_ray).
+        pin_process(os.getpid(), spec.cores if spec.cores is not None else node_cores())
         observe = partial(_observe_connector_stats, slow_s=spec.slow_transfer_s)
         factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
         self.llm: Any = AsyncLLM.from_engine_args(args, stat_loggers=[factory])

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import psutil
 import ray
 
+from actors.affinity import NODE_CORES_ENV, pin_process
 from orchestrator.config import TandemConfig
 
 # Ray starts its worker processes at niceness 15, to keep its own daemons responsive. Engines
@@ -32,8 +34,11 @@ def start_embedded_ray(num_cpus: int, **kwargs: Any) -> None:
     calls to a dead actor after DEATH_INFO_WAIT_MS.
 
     address="local": always a new instance, never a `ray start` cluster that happens to run
-    here. Ray 2.60 resolves the loopback address to the machine's own interface.
+    here. Ray 2.60 resolves the loopback address to the machine's own interface. Its
+    processes inherit NODE_CORES_ENV, this process's cores, so that engines are still given
+    the node's cores once `confine_own_ray` has narrowed Ray's own processes' masks.
     """
+    os.environ.setdefault(NODE_CORES_ENV, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -54,3 +59,39 @@ def init_ray(cfg: TandemConfig, address: str | None) -> bool:
     # Logical CPUs cover every engine, whatever the machine has.
     start_embedded_ray(max(os.cpu_count() or 1, int(need) + 1))
     return True
+
+
+def own_ray_processes() -> list[psutil.Process]:
+    """The processes of the Ray this driver started (its daemons, their workers and everything
+    those started), found as this process's children that run Ray's own programs and their
+    descendants; none when the driver joined a cluster started elsewhere."""
+    ray_dir = os.path.dirname(ray.__file__)
+    tops: list[psutil.Process] = []
+    for child in psutil.Process().children():
+        try:
+            if any(arg.startswith(ray_dir) for arg in child.cmdline()):
+                tops.append(child)
+        except psutil.Error:  # ended, or not ours to read
+            continue
+    return tops
+
+
+def confine_own_ray(cores: list[int], keep: set[int]) -> int:
+    """Confine every process of the Ray this driver started to `cores`, except the trees
+    rooted at the pids in `keep` (engines, which place their own processes); returns how
+    many processes were confined.
+
+    Workers Ray starts later (a restarted replica, a new ingress) inherit the raylet's mask.
+    """
+    confined = 0
+    todo = own_ray_processes()
+    while todo:
+        proc = todo.pop()
+        if proc.pid in keep:
+            continue
+        try:
+            todo.extend(proc.children())
+        except psutil.Error:
+            continue
+        confined += pin_process(proc.pid, cores)
+    return confined

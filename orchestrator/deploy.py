@@ -15,15 +15,17 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, RayTaskError
 
+from actors.affinity import node_cores
 from actors.protocol import EngineInfo
+from orchestrator.cluster import NAMESPACE, confine_own_ray, own_ray_processes
 from orchestrator.config import TandemConfig, to_dict
-from orchestrator.placement import ON_HEAD_NODE
+from orchestrator.placement import ON_HEAD_NODE, binding_cores, control_cores
 from orchestrator.pools import DeployError, PoolManager, manager_name
 from orchestrator.protocol import DeploymentStatus, EngineRef
 
 logger = logging.getLogger("tandem.deploy")
 
-__all__ = ["DeployError", "Deployment"]
+__all__ = ["DeployError", "Deployment", "keep_own_ray_off_engines"]
 
 # Stopping waits this long for the manager to stop the engines before killing it anyway.
 STOP_TIMEOUT_S = 180.0
@@ -83,3 +85,41 @@ class Deployment:
         ray.kill(self.manager, no_restart=True)
         self.manager = None
         self.engines, self.infos = [], []
+
+
+def keep_own_ray_off_engines(leaving: str | None = None) -> list[int] | None:
+    """Run the processes of the Ray this driver started, engines aside (Ray's daemons,
+    Serve's proxy and controller, the ingress, the pool managers, the CPU tier), on the
+    cores `placement.control_cores` picks beside the engines of every live Tandem deployment
+    on it (but `leaving`, an app being torn down); back on the node's cores when no
+    deployment is left. Returns the cores they were given, None where nothing was done: the
+    driver joined a cluster started elsewhere, or a deployment did not say where its engines
+    run. (On a cluster, `taskset` at `ray start` does the same; see NODE_CORES_ENV.)
+
+    On a small host these processes would otherwise take turns on the decode engines' cores
+    with every decode step (docs/performance.md, "A client in another session of the same
+    host").
+    """
+    if not own_ray_processes():
+        return None
+    engines = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] != NAMESPACE or not actor["name"].endswith(manager_name("")) or actor["name"] == manager_name(leaving or ""):
+            continue
+        try:
+            status = ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).status.remote(), timeout=60)
+        except (RayError, ValueError, TimeoutError) as err:
+            logger.warning("left Ray's processes where they run: deployment %s did not say where its engines run (%s)",
+                           actor["name"].removesuffix(manager_name("")), err)
+            return None
+        engines += [(pool.role, r) for pool in status.pools for r in pool.replicas if r.pid is not None]
+    node = node_cores()
+    cores = control_cores(node, [(role, r.cpu_binding) for role, r in engines])
+    n = confine_own_ray(cores or node, keep={r.pid for _, r in engines if r.pid is not None})
+    if cores:
+        logger.info("Ray's own processes (%d: its daemons, Serve, the ingress, the pool managers, the CPU tier) "
+                    "run on cores %s, beside engines computing on %s", n, cores,
+                    sorted({c for _, r in engines if r.cpu_binding for c in binding_cores(r.cpu_binding)}))
+    else:
+        logger.info("Ray's own processes (%d) run on any of the node's cores %s", n, node)
+    return cores or node

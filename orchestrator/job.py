@@ -25,7 +25,7 @@ from ray import serve
 from actors.logs import setup_logging
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.cluster import init_ray
-from orchestrator.deploy import Deployment
+from orchestrator.deploy import Deployment, keep_own_ray_off_engines
 from orchestrator.preflight import preflight
 from orchestrator.serve import build_ingress
 
@@ -55,6 +55,7 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
                     http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         deployment.start()
         handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
+        keep_own_ray_off_engines()
         yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment)
     finally:
         try:
@@ -62,6 +63,8 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
         except Exception as err:  # Serve may not have started; teardown goes on regardless
             logger.warning("could not delete the Serve app: %s", err)
         deployment.stop()
+        if not own_ray:  # Ray lives on (tests, benchmarks): its processes go where the deployments left need them
+            keep_own_ray_off_engines(leaving=cfg.serve.app_name)
         if embedded:
             serve.shutdown()
         if own_ray:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -18,6 +17,7 @@ import ray
 from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.affinity import node_cores
 from actors.protocol import Role
 from orchestrator.config import PoolConfig
 from orchestrator.models import resolve_local
@@ -77,7 +77,7 @@ class PortBases(msgspec.Struct, frozen=True):
 
 @ray.remote(num_cpus=0)
 def _probe(model_source: str) -> tuple[list[int], str]:
-    return sorted(os.sched_getaffinity(0)), resolve_local(model_source)
+    return node_cores(), resolve_local(model_source)
 
 
 async def node_facts(node_ids: set[str], model_source: str) -> dict[str, NodeFacts]:
@@ -114,6 +114,34 @@ def omp_binding(mine: list[int], tp: int) -> str:
     """
     usable = mine[:-1] if len(mine) > tp else mine
     return "|".join(",".join(map(str, _share(usable, tp, r))) for r in range(tp))
+
+
+def binding_cores(binding: str) -> set[int]:
+    """Every core a VLLM_CPU_OMP_THREADS_BIND value ("0,1|2,3") names."""
+    return {int(c) for rank in binding.split("|") for c in rank.split(",") if c}
+
+
+def control_cores(cores: list[int], engines: list[tuple[str, str | None]]) -> list[int] | None:
+    """Where a host's processes other than engines (Ray's daemons, Serve's proxy and the
+    ingress, the pool manager, the CPU tier) run, beside `engines` (role, OpenMP binding);
+    None: anywhere on `cores`.
+
+    Off every engine's compute cores where the engines leave some free (the spare cores
+    `omp_binding` keeps for their own other threads); else on the prefill engines' compute
+    cores, since a prefill engine computes in bursts while every streamed token waits on a
+    decode step. A 1P1D deployment on a 2-core host thus runs all of them on the prefill
+    engine's core: a client in another session of that host saw TTFT p50 at 18-25 ms against
+    22-113 ms with them floating (docs/performance.md, "A client in another session of the
+    same host"). None while some engine is unbound, or where every core streams tokens.
+    """
+    if not engines or any(binding is None for _, binding in engines):
+        return None
+    computing = set().union(*(binding_cores(b) for _, b in engines if b))
+    streaming = set().union(*(binding_cores(b) for role, b in engines if b and role != "prefill"))
+    for busy in (computing, streaming):
+        if free := [c for c in cores if c not in busy]:
+            return free
+    return None
 
 
 def process_cores(role: Role, mine: list[int], tp: int, prefill_cores: list[list[int]]) -> list[int] | None:

@@ -34,7 +34,8 @@ from orchestrator.config import ConfigError, parse_config
 from benchmarks.scenarios import vllm_server_env
 from orchestrator.specs import engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics
-from orchestrator.placement import EngineSlot, engine_cores, omp_binding
+from actors.affinity import node_cores
+from orchestrator.placement import EngineSlot, binding_cores, engine_cores, omp_binding
 
 PD = {"prefill": {}, "decode": {}}
 
@@ -385,6 +386,81 @@ def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, t
             allowed = compute[eid] if name == "VLLM::Worker" and not compute[eid] <= others else others
             assert affinity <= allowed, f"{eid}: a thread of {name} runs on cores {affinity}, not within {allowed}"
             assert nice == WORKER_NICENESS, f"{eid}: a thread of {name} runs at niceness {nice}"
+
+
+@pytest.mark.engines
+def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_after(ray_local: None, tiny_model: Any) -> None:
+    """While a 1P1D deployment serves, every thread of the embedded Ray's own processes (its
+    daemons, Serve's controller, the ingress, the pool manager, the CPU tier) runs on cores
+    no decode step computes on: the cores no engine computes on, else the prefill engine's
+    (placement.control_cores; on a 2-core host, the prefill engine's core). The engines keep
+    their own placement, an unbound engine started meanwhile still gets the whole node (it
+    starts in a worker of the narrowed raylet), and once the deployment is torn down Ray's
+    processes get the node's cores back."""
+    import openai
+    import ray
+
+    from orchestrator.deploy import Deployment
+    from orchestrator.job import running
+    from tests.conftest import free_port
+
+    node = set(node_cores())
+    cfg = parse_config({**PD, "model": {"source": str(tiny_model)},
+                        "serve": {"port": free_port(), "token_path_base_port": free_port(8)},
+                        "kv_transfer": {"side_channel_base_port": free_port(8)}})
+    with running(cfg, own_ray=False) as up:
+        infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in up.deployment.engines}
+        omp = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
+        engine_pids = {info.pid for info in infos.values()}
+        confined = ray_threads(engine_pids)
+        before = {eid: engine_threads(info.pid) for eid, info in infos.items()}
+        out = openai.OpenAI(base_url=up.url, api_key="unused", max_retries=0, timeout=60).completions.create(
+            model=cfg.model.name, prompt="the cores of a small host", max_tokens=4, temperature=0)
+        unbound = Deployment(parse_config({"colocated": {}, "model": {"source": str(tiny_model)},
+                                           "cpu": {"bind_cores": "off"}, "serve": {"app_name": "unbound"}}))
+        (engine,) = unbound.start()
+        try:
+            unbound_threads = engine_threads(ray.get(engine.handle.info.remote()).pid)
+        finally:
+            unbound.stop()
+    after = ray_threads(set())
+    assert out.choices[0].text and out.usage.completion_tokens == 4
+    expected = (node - omp["prefill-0"] - omp["decode-0"]) or (node - omp["decode-0"])
+    if len(node) == 2:
+        assert expected == omp["prefill-0"], "on 2 cores: the prefill engine's core"
+    assert len({name for name, _ in confined}) >= 5, f"Ray's daemons and Tandem's actors: {confined}"
+    for name, affinity in confined:
+        assert affinity == expected, f"{name} runs on cores {affinity}, not {expected}"
+    for eid, info in infos.items():
+        allowed = set(info.cores or []) | omp[eid]
+        assert all(affinity <= allowed for _, affinity, _ in before[eid]), f"{eid} keeps its own placement"
+    assert {frozenset(affinity) for name, affinity, _ in unbound_threads if name != "VLLM::Worker"} == {frozenset(node)}
+    assert after and all(affinity == node for _, affinity in after), f"not back on {node}: {after}"
+
+
+def ray_threads(engines: set[int]) -> list[tuple[str, set[int]]]:
+    """(process name, allowed cores) of every thread of the embedded Ray's processes but the
+    trees rooted at `engines`."""
+    import psutil
+
+    from orchestrator.cluster import own_ray_processes
+
+    found, todo = [], own_ray_processes()
+    while todo:
+        proc = todo.pop()
+        if proc.pid in engines:
+            continue
+        try:
+            name, threads = proc.name(), proc.threads()
+            todo.extend(proc.children())
+        except psutil.NoSuchProcess:  # a helper process that ended meanwhile
+            continue
+        for thread in threads:
+            try:
+                found.append((name, os.sched_getaffinity(thread.id)))
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+    return found
 
 
 def engine_threads(pid: int) -> list[tuple[str, set[int], int]]:

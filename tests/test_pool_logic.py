@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import msgspec
 import pytest
 
+from actors.affinity import NODE_CORES_ENV, node_cores, parse_cores
 from actors.load import LoadMeter
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
@@ -19,6 +21,7 @@ from orchestrator.placement import (
     SlotAllocator,
     actor_resources,
     assign_slots,
+    control_cores,
     least_used_cores,
     placement_bundles,
 )
@@ -187,6 +190,34 @@ def test_a_decode_engine_with_no_core_to_spare_runs_its_other_threads_on_the_pre
     assert [s.pinned_to for s in both] == [[0], [1]]
     # Unbound engines stay unbound.
     assert assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), False, two)[1].pinned_to is None
+
+
+def test_rays_own_processes_go_where_no_engine_computes_else_beside_the_prefill_engines() -> None:
+    """Ray's daemons, Serve and the tier run off every engine's compute cores where the
+    engines leave some free; else on the prefill engines' cores, never on a decode step's."""
+    # 1P1D on 2 cores: everything computes, the prefill engine's core takes the rest.
+    assert control_cores([0, 1], [("prefill", "0"), ("decode", "1")]) == [0]
+    # With cores to spare (the ones omp_binding leaves out), those.
+    assert control_cores(list(range(8)), [("prefill", "0,1,2"), ("decode", "4,5,6")]) == [3, 7]
+    assert control_cores([0, 1], [("colocated", "0")]) == [1]
+    # TP ranks name their cores with "|"; two prefill engines and a decode engine on 3 cores.
+    assert control_cores([0, 1, 2, 3], [("prefill", "0|1"), ("decode", "2|3")]) == [0, 1]
+    assert control_cores([0, 1, 2], [("prefill", "0"), ("prefill", "1"), ("decode", "2")]) == [0, 1]
+    # Every core streams tokens, an engine is unbound, or there are no engines: anywhere.
+    assert control_cores([0, 1], [("decode", "0"), ("decode", "1")]) is None
+    assert control_cores([0, 1], [("prefill", "0"), ("decode", None)]) is None
+    assert control_cores([0, 1], []) is None
+
+
+def test_the_nodes_cores_come_from_tandem_node_cores_where_ray_was_started_narrower(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_cores("0-3,8, 10-11") == [0, 1, 2, 3, 8, 10, 11]
+    for bad in ("0-x", "one", " , "):
+        with pytest.raises(ValueError, match=NODE_CORES_ENV):
+            parse_cores(bad)
+    monkeypatch.setenv(NODE_CORES_ENV, "2-3")
+    assert node_cores() == [2, 3]
+    monkeypatch.delenv(NODE_CORES_ENV)
+    assert node_cores() == sorted(os.sched_getaffinity(0))
 
 
 def test_a_decode_engine_added_later_also_leaves_its_core_to_its_forward_pass() -> None:

@@ -1,0 +1,50 @@
+"""Which cores a process runs on: the node's cores, and confining a whole process to some.
+
+`sched_setaffinity(pid)` moves one thread only; a process's other threads (event loops,
+NIXL/UCX progress, gRPC) keep the mask they had, so every thread is moved, and the threads
+and processes started later inherit the mask of whichever thread starts them.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The cores of this host's Ray node, for when its processes run under a narrower mask than
+# the node has: an embedded Ray whose own processes Tandem keeps off the engines' compute
+# cores (orchestrator.cluster), or `TANDEM_NODE_CORES=0-15 taskset -c 0 ray start ...` on a
+# CPU cluster. Comma-separated cores or ranges; unset: the asking process's own mask.
+NODE_CORES_ENV = "TANDEM_NODE_CORES"
+
+
+def parse_cores(text: str) -> list[int]:
+    """Cores written as `taskset -c` takes them ("0-3,8"), sorted."""
+    cores: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"{NODE_CORES_ENV}={text!r} is not a core list; write it as taskset -c does, e.g. 0-3,8") from None
+    if not cores:
+        raise ValueError(f"{NODE_CORES_ENV}={text!r} names no core; unset it or list the node's cores, e.g. 0-3")
+    return sorted(cores)
+
+
+def node_cores() -> list[int]:
+    """The cores this node's engines may use: NODE_CORES_ENV where set, else this process's mask."""
+    text = os.environ.get(NODE_CORES_ENV)
+    return parse_cores(text) if text else sorted(os.sched_getaffinity(0))
+
+
+def pin_process(pid: int, cores: list[int]) -> bool:
+    """Confine every thread of process `pid` to `cores`; False if the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return True
