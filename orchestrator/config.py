@@ -277,6 +277,12 @@ class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # with no core to spare: its node's prefill engines' cores). "off" leaves vLLM's own
     # binding (every engine on every core).
     bind_cores: Literal["auto", "off"] = "auto"
+    # The nice value `tandem serve` gives its own session's scheduling group, on kernels that
+    # group a session's processes (autogroup, sched_autogroup_enabled = 1): vLLM's CPU
+    # workers spin for a second after every step, so a deployment's group would otherwise
+    # hold every core it is given against any program started elsewhere on the host (a
+    # client's requests waited up to 0.1-1.7 s behind them). 0 leaves it as any session.
+    session_nice: Annotated[int, Meta(ge=0, le=19)] = 10
 
 
 PoolRole = Literal["prefill", "decode", "both"]

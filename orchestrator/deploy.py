@@ -117,9 +117,9 @@ def keep_own_ray_off_engines(leaving: str | None = None) -> list[int] | None:
     cores = control_cores(node, [(role, r.cpu_binding) for role, r in engines])
     n = confine_own_ray(cores or node, keep={r.pid for _, r in engines if r.pid is not None})
     if cores:
-        logger.info("Ray's own processes (%d: its daemons, Serve, the ingress, the pool managers, the CPU tier) "
-                    "run on cores %s, beside engines computing on %s", n, cores,
-                    sorted({c for _, r in engines if r.cpu_binding for c in binding_cores(r.cpu_binding)}))
+        streaming = sorted({c for role, r in engines if role != "prefill" and r.cpu_binding for c in binding_cores(r.cpu_binding)})
+        logger.info("Ray's own processes (%d: its daemons, Serve, the ingress, the pool managers, the CPU tier) now run "
+                    "on cores %s of the node's %s, off the cores decode steps run on (%s)", n, cores, node, streaming)
     else:
         logger.info("Ray's own processes (%d) run on any of the node's cores %s", n, node)
     return cores or node

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,9 +23,10 @@ import msgspec
 import ray
 from ray import serve
 
+from actors.affinity import pin_process
 from actors.logs import setup_logging
 from orchestrator.config import TandemConfig, load_config
-from orchestrator.cluster import init_ray
+from orchestrator.cluster import init_ray, lower_session_priority, restore_session_priority
 from orchestrator.deploy import Deployment, keep_own_ray_off_engines
 from orchestrator.preflight import preflight
 from orchestrator.serve import build_ingress
@@ -37,6 +39,9 @@ class Running(msgspec.Struct, frozen=True):
 
     url: str
     deployment: Deployment
+    # Where the Ray this process started runs its own processes beside the engines (None: it
+    # did not start one, or they may use any core).
+    ray_cores: list[int] | None = None
 
 
 @contextmanager
@@ -47,6 +52,7 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
     """
     preflight(cfg)
     embedded = init_ray(cfg, address) if own_ray else False
+    session_nice = lower_session_priority(cfg.cpu.session_nice) if embedded and cfg.device == "cpu" else None
     deployment = Deployment(cfg)
     try:
         # With `serve.http: direct` the ingress replicas answer HTTP; Serve's proxy would
@@ -55,8 +61,8 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
                     http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         deployment.start()
         handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
-        keep_own_ray_off_engines()
-        yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment)
+        ray_cores = keep_own_ray_off_engines()
+        yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment, ray_cores)
     finally:
         try:
             serve.delete(cfg.serve.app_name)
@@ -69,6 +75,7 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
             serve.shutdown()
         if own_ray:
             ray.shutdown()
+        restore_session_priority(session_nice)
 
 
 def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
@@ -86,6 +93,8 @@ def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
     t0 = time.perf_counter()
     with running(cfg, address) as up:
         ready.set()
+        if up.ray_cores:  # this process only waits (and prints Ray's logs): beside Ray's own
+            pin_process(os.getpid(), up.ray_cores)
         shape = " + ".join(f"{p.replicas} {role}" for role, p in cfg.pools.items())
         print(
             f"Tandem ready: serving {cfg.model.name!r} ({shape}) at {up.url} "

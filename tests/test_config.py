@@ -70,6 +70,14 @@ def test_stream_batching_is_off_at_0_and_bounded() -> None:
             parse_config({"serve": {"stream_batch_ms": bad}})
 
 
+def test_the_sessions_nice_value_is_a_nice_value() -> None:
+    assert parse_config({}).cpu.session_nice == 10
+    assert parse_config({"cpu": {"session_nice": 0}}).cpu.session_nice == 0
+    for bad in (-1, 20):
+        with pytest.raises(ConfigError, match=r"`cpu\.session_nice`"):
+            parse_config({"cpu": {"session_nice": bad}})
+
+
 def test_streamed_tokens_leave_each_step_where_a_chunk_is_cheap() -> None:
     """Unset: every engine step's tokens on GPU hosts behind a direct ingress; 50 ms chunks on
     CPU hosts (a chunk's work takes the engines' cores) and behind Serve's proxy (a Ray

@@ -190,6 +190,31 @@ def test_only_a_builtin_model_keeps_engines_off_the_hub(monkeypatch: pytest.Monk
 # --- cores -----------------------------------------------------------------------------
 
 
+def test_the_deployments_session_yields_to_other_sessions_and_gets_its_priority_back() -> None:
+    """Where the kernel groups a session's processes (autogroup), `tandem serve` lowers its
+    session's weight and restores it on the way out; elsewhere it changes nothing. Run in a
+    session of its own, so that this test's session keeps its priority whatever happens."""
+    import subprocess
+    import sys
+
+    script = (
+        "from orchestrator.cluster import lower_session_priority, restore_session_priority\n"
+        "import os\n"
+        "read = lambda: open('/proc/self/autogroup').read().split()[-1] if os.path.exists('/proc/self/autogroup') else '0'\n"
+        "before = read(); previous = lower_session_priority(7); during = read()\n"
+        "again = lower_session_priority(3)  # already lower: left as it is\n"
+        "restore_session_priority(previous); print(before, previous, during, again, read())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroup = f.read().strip() == "1"
+    except FileNotFoundError:  # a kernel built without autogroup
+        autogroup = False
+    assert out.stdout.split() == (["0", "0", "7", "None", "0"] if autogroup else ["0", "None", "0", "None", "0"])
+
+
 def test_the_plain_vllm_server_gets_the_openmp_cores_of_a_colocated_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bench's vLLM server must compute on as many cores as the Tandem engine it is
     compared with: all but the last, which is left to the scheduler."""
