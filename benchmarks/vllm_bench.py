@@ -33,6 +33,7 @@ from benchmarks.phases import ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, LOCAL_PREFIL
 from benchmarks.protocol import BenchOptions, ClientResult, ClientRun
 from benchmarks.report import TOKEN_SOURCES, write_vllm_client_report
 from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
+from orchestrator.cluster import session_priority
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
 
@@ -70,7 +71,10 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
     port = base.serve.port if address else free_ports(1)
     names = list(dict.fromkeys([*TOKEN_SOURCES.values(), LOCAL_PREFILLS, *ENGINE_TPOT_SUMS, *ENGINE_TPOT_COUNTS, *metric_names()]))
     results = []
-    with shared_ray(base, scenarios, address):
+    # As a user would run them: vLLM's client from a shell of its own (a session of its own),
+    # Tandem as `tandem serve` runs it (its session at cpu.session_nice), the plain vLLM
+    # server in a session of its own at the default weight (scenarios.vllm_server).
+    with shared_ray(base, scenarios, address), session_priority(base.cpu.session_nice if base.device == "cpu" and not address else 0):
         for scenario in scenarios:
             with deployed(scenario, base, port, out / "logs") as target:
                 for i, load in enumerate(runs):
@@ -80,7 +84,7 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
                            "--endpoint", "/v1/completions", "--model", target.model, "--tokenizer", tokenizer,
                            "--save-result", "--result-dir", str(out), "--result-filename", result_file, *load.args]
                     print(f"== {scenario.name}, {load.label}: vllm bench serve {' '.join(cmd[3:])}", flush=True)
-                    subprocess.run(cmd, check=True)
+                    subprocess.run(cmd, check=True, start_new_session=True)
                     after = asyncio.run(scrape_metrics(target.base_url, names))
                     grown = {n: after[n] - before.get(n, 0.0) for n in names if n in after}
                     results.append(ClientResult(scenario.name, load.label,

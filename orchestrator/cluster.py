@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -67,7 +69,7 @@ def init_ray(cfg: TandemConfig, address: str | None) -> bool:
 def lower_session_priority(nice: int) -> int | None:
     """Give this process's session (every process it and the embedded Ray start) the
     scheduling group nice value `nice`, where the kernel groups a session's processes
-    (autogroup); returns the value it had, for `restore_session_priority`, or None where
+    (autogroup); returns the value it had, or None where
     nothing changed (no autogroup, or already that nice or higher).
 
     A deployment's processes then run before other sessions' only where those leave a core
@@ -87,10 +89,16 @@ def lower_session_priority(nice: int) -> int | None:
     return previous if _set_session_nice(nice) else None
 
 
-def restore_session_priority(previous: int | None) -> None:
-    """Undo `lower_session_priority`: the session (the user's shell, often) outlives Tandem."""
-    if previous is not None:
-        _set_session_nice(previous)
+@contextmanager
+def session_priority(nice: int) -> Iterator[None]:
+    """`lower_session_priority(nice)` for the block, then the session's own value back: the
+    session (the user's shell, often) outlives the deployment."""
+    previous = lower_session_priority(nice)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            _set_session_nice(previous)
 
 
 def _set_session_nice(nice: int) -> bool:

@@ -26,7 +26,7 @@ from ray import serve
 from actors.affinity import pin_process
 from actors.logs import setup_logging
 from orchestrator.config import TandemConfig, load_config
-from orchestrator.cluster import init_ray, lower_session_priority, restore_session_priority
+from orchestrator.cluster import init_ray, session_priority
 from orchestrator.deploy import Deployment, keep_own_ray_off_engines
 from orchestrator.preflight import preflight
 from orchestrator.serve import build_ingress
@@ -52,30 +52,30 @@ def running(cfg: TandemConfig, address: str | None = None, *, own_ray: bool = Tr
     """
     preflight(cfg)
     embedded = init_ray(cfg, address) if own_ray else False
-    session_nice = lower_session_priority(cfg.cpu.session_nice) if embedded and cfg.device == "cpu" else None
     deployment = Deployment(cfg)
-    try:
-        # With `serve.http: direct` the ingress replicas answer HTTP; Serve's proxy would
-        # take their port, so Serve starts none.
-        serve.start(proxy_location="Disabled" if cfg.serve.http == "direct" else "EveryNode",
-                    http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        deployment.start()
-        handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
-        ray_cores = keep_own_ray_off_engines()
-        yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment, ray_cores)
-    finally:
+    # The lowered weight (cpu.session_nice) lasts while this process's own Ray serves.
+    with session_priority(cfg.cpu.session_nice if embedded and cfg.device == "cpu" else 0):
         try:
-            serve.delete(cfg.serve.app_name)
-        except Exception as err:  # Serve may not have started; teardown goes on regardless
-            logger.warning("could not delete the Serve app: %s", err)
-        deployment.stop()
-        if not own_ray:  # Ray lives on (tests, benchmarks): its processes go where the deployments left need them
-            keep_own_ray_off_engines(leaving=cfg.serve.app_name)
-        if embedded:
-            serve.shutdown()
-        if own_ray:
-            ray.shutdown()
-        restore_session_priority(session_nice)
+            # With `serve.http: direct` the ingress replicas answer HTTP; Serve's proxy would
+            # take their port, so Serve starts none.
+            serve.start(proxy_location="Disabled" if cfg.serve.http == "direct" else "EveryNode",
+                        http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+            deployment.start()
+            handle = serve.run(build_ingress(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix)
+            ray_cores = keep_own_ray_off_engines()
+            yield Running(f"{handle.url.remote().result(timeout_s=60)}/v1", deployment, ray_cores)
+        finally:
+            try:
+                serve.delete(cfg.serve.app_name)
+            except Exception as err:  # Serve may not have started; teardown goes on regardless
+                logger.warning("could not delete the Serve app: %s", err)
+            deployment.stop()
+            if not own_ray:  # Ray lives on (tests, benchmarks): its processes go where the deployments left need them
+                keep_own_ray_off_engines(leaving=cfg.serve.app_name)
+            if embedded:
+                serve.shutdown()
+            if own_ray:
+                ray.shutdown()
 
 
 def serve_until_stopped(cfg: TandemConfig, address: str | None = None) -> None:
