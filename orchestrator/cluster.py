@@ -115,7 +115,7 @@ def own_ray_processes() -> list[psutil.Process]:
     """The processes of the Ray this driver started (its daemons, their workers and everything
     those started), found as this process's children that run Ray's own programs and their
     descendants; none when the driver joined a cluster started elsewhere."""
-    ray_dir = os.path.dirname(ray.__file__)
+    ray_dir = os.path.dirname(ray.__file__) + os.sep
     tops: list[psutil.Process] = []
     for child in psutil.Process().children():
         try:
