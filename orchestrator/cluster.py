@@ -69,8 +69,8 @@ def init_ray(cfg: TandemConfig, address: str | None) -> bool:
 def lower_session_priority(nice: int) -> int | None:
     """Give this process's session (every process it and the embedded Ray start) the
     scheduling group nice value `nice`, where the kernel groups a session's processes
-    (autogroup); returns the value it had, or None where
-    nothing changed (no autogroup, or already that nice or higher).
+    (autogroup); returns the value it had, or None where nothing changed (no autogroup, or
+    already that nice or higher).
 
     A deployment's processes then run before other sessions' only where those leave a core
     idle: a client from another shell, which waited up to 0.1-1.7 s for a core behind the

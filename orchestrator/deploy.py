@@ -21,7 +21,7 @@ from orchestrator.cluster import NAMESPACE, confine_own_ray, own_ray_processes
 from orchestrator.config import TandemConfig, to_dict
 from orchestrator.placement import ON_HEAD_NODE, binding_cores, control_cores
 from orchestrator.pools import DeployError, PoolManager, manager_name
-from orchestrator.protocol import DeploymentStatus, EngineRef
+from orchestrator.protocol import DeploymentStatus, EngineRef, ReplicaStatus
 
 logger = logging.getLogger("tandem.deploy")
 
@@ -102,15 +102,17 @@ def keep_own_ray_off_engines(leaving: str | None = None) -> list[int] | None:
     """
     if not own_ray_processes():
         return None
-    engines = []
+    suffix = manager_name("")  # every deployment's pool manager is "<app>:pools"
+    engines: list[tuple[str, ReplicaStatus]] = []
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] != NAMESPACE or not actor["name"].endswith(manager_name("")) or actor["name"] == manager_name(leaving or ""):
+        name = actor["name"]
+        if actor["namespace"] != NAMESPACE or not name.endswith(suffix) or name == manager_name(leaving or ""):
             continue
         try:
-            status = ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).status.remote(), timeout=60)
+            status = ray.get(ray.get_actor(name, namespace=NAMESPACE).status.remote(), timeout=60)
         except (RayError, ValueError, TimeoutError) as err:
             logger.warning("left Ray's processes where they run: deployment %s did not say where its engines run (%s)",
-                           actor["name"].removesuffix(manager_name("")), err)
+                           name.removesuffix(suffix), err)
             return None
         engines += [(pool.role, r) for pool in status.pools for r in pool.replicas if r.pid is not None]
     node = node_cores()

@@ -39,8 +39,8 @@ class Running(msgspec.Struct, frozen=True):
 
     url: str
     deployment: Deployment
-    # Where the Ray this process started runs its own processes beside the engines (None: it
-    # did not start one, or they may use any core).
+    # Where the Ray this process started runs its own processes beside the engines (None: the
+    # process joined a Ray started elsewhere).
     ray_cores: list[int] | None = None
 
 
