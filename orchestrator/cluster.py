@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -126,10 +126,22 @@ def own_ray_processes() -> list[psutil.Process]:
     return tops
 
 
-def confine_own_ray(cores: list[int], keep: set[int]) -> int:
+def serves_actor(proc: psutil.Process, classes: Collection[str]) -> bool:
+    """Whether `proc` is a Ray worker serving an actor of one of `classes`, from the title
+    Ray gives it: `ray::Class`, `ray::Class.method`, `ray::name:Class.__init__` while a
+    named actor starts (`ray::IDLE` for an idle worker)."""
+    title = " ".join(proc.cmdline()).strip()
+    if not title.startswith("ray::"):
+        return False
+    head = title.removeprefix("ray::").split(" ", 1)[0].split(".", 1)[0]
+    return any(head == c or head.endswith(f":{c}") for c in classes)
+
+
+def confine_own_ray(cores: list[int], keep: set[int], keep_classes: Collection[str] = ()) -> int:
     """Confine every process of the Ray this driver started to `cores`, except the trees
-    rooted at the pids in `keep` (engines, which place their own processes); returns how
-    many processes were confined.
+    rooted at the pids in `keep` or at a worker serving an actor of `keep_classes`: engines,
+    which place their own processes, including one still starting whose pid no table lists
+    yet. Returns how many processes were confined.
 
     Workers Ray starts later (a restarted replica, a new ingress) inherit the raylet's mask.
     """
@@ -137,9 +149,9 @@ def confine_own_ray(cores: list[int], keep: set[int]) -> int:
     todo = own_ray_processes()
     while todo:
         proc = todo.pop()
-        if proc.pid in keep:
-            continue
         try:
+            if proc.pid in keep or serves_actor(proc, keep_classes):
+                continue
             todo.extend(proc.children())
         except psutil.Error:
             continue

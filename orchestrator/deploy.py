@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from actors.affinity import node_cores
+from actors.engine import EngineActor
 from actors.protocol import EngineInfo
 from orchestrator.cluster import NAMESPACE, confine_own_ray, own_ray_processes
 from orchestrator.config import TandemConfig, to_dict
@@ -27,6 +28,9 @@ logger = logging.getLogger("tandem.deploy")
 
 __all__ = ["DeployError", "Deployment", "keep_own_ray_off_engines"]
 
+# The engine actor's class, as Ray's process titles name it: confinement leaves its
+# processes, even while one starts and no table lists it.
+ENGINE_CLASS = EngineActor.__ray_metadata__.class_name
 # Stopping waits this long for the manager to stop the engines before killing it anyway.
 STOP_TIMEOUT_S = 180.0
 
@@ -114,10 +118,11 @@ def keep_own_ray_off_engines(leaving: str | None = None) -> list[int] | None:
             logger.warning("left Ray's processes where they run: deployment %s did not say where its engines run (%s)",
                            name.removesuffix(suffix), err)
             return None
-        engines += [(pool.role, r) for pool in status.pools for r in pool.replicas if r.pid is not None]
+        # A replica restarting counts where it will run again.
+        engines += [(pool.role, r) for pool in status.pools for r in pool.replicas]
     node = node_cores()
     cores = control_cores(node, [(role, r.cpu_binding) for role, r in engines])
-    n = confine_own_ray(cores or node, keep={r.pid for _, r in engines if r.pid is not None})
+    n = confine_own_ray(cores or node, keep={r.pid for _, r in engines if r.pid is not None}, keep_classes=(ENGINE_CLASS,))
     if cores:
         streaming = sorted({c for role, r in engines if role != "prefill" and r.cpu_binding for c in binding_cores(r.cpu_binding)})
         logger.info("Ray's own processes (%d: its daemons, Serve, the ingress, the pool managers, the CPU tier) now run "

@@ -150,8 +150,8 @@ class Replica:
             last_error=self.last_error,
             missed_checks=self.missed_checks,
             child_pids=self.info.child_pids if live else [],
-            cores=self.info.cores if live else None,
-            cpu_binding=self.info.cpu_binding if live else None,
+            cores=self.info.cores if live else self.slot.pinned_to,
+            cpu_binding=self.info.cpu_binding if live else self.slot.cpu_binding,
         )
 
 

@@ -70,7 +70,8 @@ class ReplicaStatus(msgspec.Struct, frozen=True):
     missed_checks: int = 0
     # The live process's vLLM children (engine core, workers: what a profiler attaches to),
     # the cores its processes run on apart from its OpenMP compute threads (None: unbound)
-    # and the cores those are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND).
+    # and the cores those are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND); while it has no
+    # live process, the cores it will get back.
     child_pids: list[int] = []
     cores: list[int] | None = None
     cpu_binding: str | None = None

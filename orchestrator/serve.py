@@ -199,7 +199,7 @@ def build_app(args: dict[str, str]) -> serve.Application:
 
     from orchestrator.cluster import init_ray
     from orchestrator.config import load_config
-    from orchestrator.deploy import Deployment
+    from orchestrator.deploy import Deployment, keep_own_ray_off_engines
     from orchestrator.preflight import preflight
 
     cfg = load_config(args.get("config"))
@@ -209,4 +209,7 @@ def build_app(args: dict[str, str]) -> serve.Application:
         init_ray(cfg, args.get("address"))
     deployment = Deployment(cfg)
     deployment.start()
+    # Serve's controller, proxy and ingress start after this returns, as workers of the raylet
+    # confined here: they inherit its cores (a Ray started here only; serve run stops it).
+    keep_own_ray_off_engines()
     return build_ingress(cfg)

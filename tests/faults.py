@@ -86,3 +86,13 @@ class FailingLoadNixlConnector(TandemNixlConnector):
                 return None, False
             del self._held_since[request.request_id]
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    # A request aborted while held ends here: vLLM calls one of the two, as its connector
+    # supports hybrid KV groups or not.
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._held_since.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        self._held_since.pop(request.request_id, None)
+        return super().request_finished_all_groups(request, block_ids)

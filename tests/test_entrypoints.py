@@ -1,4 +1,5 @@
-"""`tandem serve` and `ray job submit ... orchestrator.job` as a user runs them.
+"""`tandem serve`, `serve run orchestrator.serve:build_app` and `ray job submit ...
+orchestrator.job` as a user runs them.
 
 Each starts its own Ray (embedded, or a `ray start --head` cluster), serves a real 1P1D
 deployment, answers the official openai client, and leaves no process behind when stopped.
@@ -6,9 +7,11 @@ deployment, answers the official openai client, and leaves no process behind whe
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,12 +23,15 @@ import psutil
 import pytest
 import yaml
 
+from orchestrator.placement import binding_cores
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.engines
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# `serve run IMPORT_PATH` serves on Ray Serve's default port; it has no option to move it.
+SERVE_RUN_PORT = 8000
 READY = re.compile(r"Tandem ready: serving 'tandem-tiny' \(1 prefill \+ 1 decode\) at (http://\S+/v1)")
 
 
@@ -164,3 +170,55 @@ def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str, dict[
     while engine_processes(raylet):
         assert time.time() < deadline, f"engines left behind: {[p.pid for p in engine_processes(raylet)]}"
         time.sleep(2)
+
+
+SERVE_RUN_READY = re.compile(r"Application '[^']+' is ready at (http://[^/\s]+)")
+
+
+def threads_cores(title: str) -> list[set[int]]:
+    """The allowed cores of every thread of the processes whose title starts with `title`."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if " ".join(p.cmdline()).startswith(title):
+                found += [os.sched_getaffinity(t.id) for t in p.threads()]
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return found
+
+
+def test_serve_run_build_app_serves_with_rays_processes_off_the_decode_engine(tmp_path: Path) -> None:
+    """`serve run orchestrator.serve:build_app config=PATH`, as the README gives it: serves the
+    default 1P1D on serve run's own port; Ray's own processes run off the decode engine's
+    cores, Serve's proxy and the ingress too, though they start after build_app returned (they
+    inherit the confined raylet's mask); Ctrl-C leaves nothing behind."""
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", SERVE_RUN_PORT)) == 0:
+            pytest.skip(f"port {SERVE_RUN_PORT}, where serve run always serves, is in use on this host")
+    log = tmp_path / "serve-run.log"
+    cmd = [str(BIN / "serve"), "run", "--app-dir", str(ROOT), "orchestrator.serve:build_app", f"config={write_config(tmp_path)}"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        base = wait_for(SERVE_RUN_READY, log.read_text, 720, "serve run's ready line", fail="Traceback").group(1)
+        ask(f"{base}/v1")
+        # Serve's and Tandem's actors, on one set of cores narrower than the node's, apart
+        # from the decode engine's compute core.
+        found = {title: threads_cores(title) for title in ("ray::ServeController", "ray::ProxyActor", "ray::ServeReplica", "ray::PoolManager")}
+        assert all(found.values()), f"a process is missing: {found}"
+        (cores,) = {frozenset(c) for threads in found.values() for c in threads}
+        shown = subprocess.run([str(BIN / "tandem"), "status", "--json"], capture_output=True, text=True,
+                               timeout=120, check=True, env={**os.environ, "RAY_ADDRESS": ""}).stdout
+        decode = next(r for pool in json.loads(shown)["pools"] if pool["role"] == "decode" for r in pool["replicas"])
+        node = os.sched_getaffinity(0)
+        assert cores < node and cores.isdisjoint(binding_cores(decode["cpu_binding"] or "")), (cores, node, decode)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert engine_processes(psutil.Process(proc.pid)), "expected engine processes under serve run"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=180)
+        _, alive = psutil.wait_procs(tree, timeout=90)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

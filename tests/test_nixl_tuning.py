@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -421,12 +423,13 @@ def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_afte
     no decode step computes on: the cores no engine computes on, else the prefill engine's
     (placement.control_cores; on a 2-core host, the prefill engine's core). The engines keep
     their own placement, an unbound engine started meanwhile still gets the whole node (it
-    starts in a worker of the narrowed raylet), and once the deployment is torn down Ray's
-    processes get the node's cores back."""
+    starts in a worker of the narrowed raylet), a decode engine SIGKILLed and restarted while
+    Ray's processes are confined again and again comes back on its own placement, and once
+    the deployment is torn down Ray's processes get the node's cores back."""
     import openai
     import ray
 
-    from orchestrator.deploy import Deployment
+    from orchestrator.deploy import Deployment, keep_own_ray_off_engines
     from orchestrator.job import running
     from tests.conftest import free_port
 
@@ -437,8 +440,7 @@ def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_afte
     with running(cfg, own_ray=False) as up:
         infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in up.deployment.engines}
         omp = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
-        engine_pids = {info.pid for info in infos.values()}
-        confined = ray_threads(engine_pids)
+        confined = ray_threads()
         before = {eid: engine_threads(info.pid) for eid, info in infos.items()}
         out = openai.OpenAI(base_url=up.url, api_key="unused", max_retries=0, timeout=60).completions.create(
             model=cfg.model.name, prompt="the cores of a small host", max_tokens=4, temperature=0)
@@ -449,37 +451,63 @@ def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_afte
             unbound_threads = engine_threads(ray.get(engine.handle.info.remote()).pid)
         finally:
             unbound.stop()
-    after = ray_threads(set())
+        # A decode engine restarting while Ray's processes are confined (its new process
+        # listed nowhere yet) keeps its own placement: confine every half second until it is back.
+        os.kill(infos["decode-0"].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while (back := restarted(up.deployment, "decode-0")) is None:
+            assert time.monotonic() < deadline, f"decode-0 not back: {up.deployment.status()}"
+            assert keep_own_ray_off_engines() is not None
+            time.sleep(0.5)
+        restarted_threads = engine_threads(back.pid)
+        confined_after_restart = ray_threads()
+    after = ray_threads()
     assert out.choices[0].text and out.usage.completion_tokens == 4
     expected = (node - omp["prefill-0"] - omp["decode-0"]) or (node - omp["decode-0"])
     if len(node) == 2:
         assert expected == omp["prefill-0"], "on 2 cores: the prefill engine's core"
     assert len({name for name, _ in confined}) >= 5, f"Ray's daemons and Tandem's actors: {confined}"
-    for name, affinity in confined:
+    for name, affinity in confined + confined_after_restart:
         assert affinity == expected, f"{name} runs on cores {affinity}, not {expected}"
     for eid, info in infos.items():
-        allowed = set(info.cores or []) | omp[eid]
-        assert all(affinity <= allowed for _, affinity, _ in before[eid]), f"{eid} keeps its own placement"
+        assert not misplaced(before[eid], set(info.cores or []), omp[eid]), f"{eid} keeps its own placement"
     assert {frozenset(affinity) for name, affinity, _ in unbound_threads if name != "VLLM::Worker"} == {frozenset(node)}
-    assert after and all(affinity == node for _, affinity in after), f"not back on {node}: {after}"
+    assert (back.cores, back.cpu_binding) == (infos["decode-0"].cores, infos["decode-0"].cpu_binding), "the same placement"
+    assert not misplaced(restarted_threads, set(back.cores or []), omp["decode-0"]), f"restarted decode-0: {restarted_threads}"
+    assert after and all(affinity == node for _, affinity in after), f"not back on {node}: {[t for t in after if t[1] != node]}"
 
 
-def ray_threads(engines: set[int]) -> list[tuple[str, set[int]]]:
+def misplaced(threads: list[tuple[str, set[int], int]], cores: set[int], omp: set[int]) -> list[tuple[str, set[int]]]:
+    """The threads of an engine off its placement: its worker's on its OpenMP cores when
+    those lie outside its other threads' `cores` (vLLM moves them all), the rest on `cores`."""
+    return [(name, affinity) for name, affinity, _ in threads
+            if not affinity <= (omp if name == "VLLM::Worker" and not omp <= cores else cores)]
+
+
+def restarted(deployment: Any, replica_id: str) -> Any:
+    """`replica_id`'s status once it serves again after a restart, else None."""
+    status = deployment.status()
+    replica = next(r for pool in status.pools for r in pool.replicas if r.id == replica_id)
+    return replica if replica.restarts and replica.state == "healthy" and replica.pid is not None else None
+
+
+def ray_threads() -> list[tuple[str, set[int]]]:
     """(process name, allowed cores) of every thread of the embedded Ray's processes but the
-    trees rooted at `engines`."""
+    engines' trees (those still exiting after a teardown among them)."""
     import psutil
 
-    from orchestrator.cluster import own_ray_processes
+    from orchestrator.cluster import own_ray_processes, serves_actor
+    from orchestrator.deploy import ENGINE_CLASS
 
     found, todo = [], own_ray_processes()
     while todo:
         proc = todo.pop()
-        if proc.pid in engines:
-            continue
         try:
+            if serves_actor(proc, [ENGINE_CLASS]):
+                continue
             name, threads = proc.name(), proc.threads()
             todo.extend(proc.children())
-        except psutil.NoSuchProcess:  # a helper process that ended meanwhile
+        except psutil.Error:  # a helper process that ended meanwhile
             continue
         for thread in threads:
             try:

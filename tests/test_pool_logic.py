@@ -13,6 +13,7 @@ import pytest
 from actors.affinity import NODE_CORES_ENV, node_cores, parse_cores
 from actors.load import LoadMeter
 from orchestrator.autoscale import ScaleDecider
+from orchestrator.cluster import serves_actor
 from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
 from orchestrator.placement import (
     EngineSlot,
@@ -218,6 +219,25 @@ def test_the_nodes_cores_come_from_tandem_node_cores_where_ray_was_started_narro
     assert node_cores() == [2, 3]
     monkeypatch.delenv(NODE_CORES_ENV)
     assert node_cores() == sorted(os.sched_getaffinity(0))
+
+
+def test_engine_workers_are_known_by_rays_process_titles_even_while_a_named_one_starts() -> None:
+    """Confinement leaves engines by the class in Ray's title: a restarting engine's process
+    is listed nowhere yet, and a named actor's title names it first while it starts."""
+
+    class Proc:
+        def __init__(self, *args: str) -> None:
+            self.args = list(args)
+
+        def cmdline(self) -> list[str]:
+            return self.args
+
+    engine = ["EngineActor"]
+    for title in (("ray::EngineActor",), ("ray::EngineActor.watch", "", ""), ("ray::tandem:decode-0:EngineActor.__init__", "", "")):
+        assert serves_actor(Proc(*title), engine), title  # type: ignore[arg-type]
+    for title in (("ray::IDLE",), ("ray::ServeReplica:tandem:openai",), ("ray::EngineActorPool",), ("ray::KVStoreActor.put",),
+                  ("/usr/bin/python", "ray::EngineActor"), ()):
+        assert not serves_actor(Proc(*title), engine), title  # type: ignore[arg-type]
 
 
 def test_a_decode_engine_added_later_also_leaves_its_core_to_its_forward_pass() -> None:
