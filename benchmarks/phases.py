@@ -1,4 +1,5 @@
-"""Where a request's time to first token goes, from /metrics deltas and router traces.
+"""Where a request's time to first token, and each interval between its tokens after that,
+goes, from /metrics deltas and router traces (`ttft_phases`, `tpot_phases`).
 
 Pure arithmetic, so every figure can be checked by hand. Inputs are the growth of Tandem's
 /metrics samples over a run (see `metric_names`) and, for direct-path runs, the router's
@@ -33,7 +34,7 @@ import msgspec
 from benchmarks.loadgen import RunResult
 from orchestrator.router import RequestTrace
 
-ROUTER_PHASES = ("prefill", "route", "first_token", "decode")
+ROUTER_PHASES = ("prefill", "route", "first_token", "second_token", "decode")
 
 KV_BYTES = "tandem_kv_transfer_bytes_total"
 KV_TRANSFERS = "tandem_kv_transfers_total"
@@ -144,11 +145,12 @@ def router_phases_from_traces(traces: Sequence[RequestTrace]) -> dict[str, float
 def _per_request(sums: Mapping[str, float | None], counts: Mapping[str, float | None]) -> dict[str, float]:
     """The phases up to the first token are averaged over every request that got one, a phase
     a request skipped counting 0 for it (a conditional router's local prefills have no
-    prefill phase), so they add up to the mean TTFT; decode over the requests that had one."""
+    prefill phase), so they add up to the mean TTFT; second_token and decode over the
+    requests that had them."""
     n = counts.get("first_token")
     out = {p: sums[p] / n for p in ROUTER_PHASES[:3] if sums.get(p) is not None and n}
-    decode = _mean(sums.get("decode"), counts.get("decode"))
-    return out | ({"decode": decode} if decode is not None else {})
+    after = {p: _mean(sums.get(p), counts.get(p)) for p in ROUTER_PHASES[3:]}
+    return out | {p: mean for p, mean in after.items() if mean is not None}
 
 
 def decode_share_from_metrics(deltas: Mapping[str, float]) -> float:
@@ -156,6 +158,13 @@ def decode_share_from_metrics(deltas: Mapping[str, float]) -> float:
     colocated engine), not streamed from a prefill: those the router timed a route for."""
     first = deltas.get(router_phase("first_token", "count"))
     return min(1.0, (deltas.get(router_phase("route", "count")) or 0.0) / first) if first else 1.0
+
+
+def handed_on_share_from_metrics(deltas: Mapping[str, float]) -> float:
+    """The share of requests whose first token the prefill engine streamed and whose decode
+    engine then answered: those the router timed a second token for."""
+    first = deltas.get(router_phase("first_token", "count"))
+    return min(1.0, (deltas.get(router_phase("second_token", "count")) or 0.0) / first) if first else 0.0
 
 
 def decode_share_from_traces(traces: Sequence[RequestTrace]) -> float:
@@ -221,6 +230,30 @@ def ttft_phases(
     queue, compute = (decode_share * t for t in engine("decode"))
     return out | {"decode: waiting for the KV": queue - kv, "KV transfer": kv, "decode: engine compute": compute,
                   "decode: relay": output_leg - queue - compute}
+
+
+def tpot_phases(router: Mapping[str, float], deltas: Mapping[str, float], client_tpot_s: float, output_tokens: float) -> dict[str, float]:
+    """Split the client's mean TPOT (seconds per interval between a request's tokens) into
+    where each interval's time goes; empty when the server exposes no engine TPOT.
+
+    - decode leg, to the second token: a request whose first token the prefill engine
+      streamed waits for the decode engine's first one (the decode request's way in, the KV
+      pull, that engine's first step, the way back), one of its `output_tokens - 1`
+      intervals; spread over every interval of every request;
+    - engine steps: vLLM's engine-core TPOT of the engine that decodes, over the intervals it
+      timed (all but that first one on a decode engine);
+    - relay: the rest, what the token path, the ingress and HTTP add per interval; negative
+      when the client saw a request's first token later, relative to its last, than the
+      engine produced it (a plain vLLM server's first chunk).
+    """
+    engine_ms = engine_tpot_ms(deltas)
+    intervals = output_tokens - 1
+    if engine_ms is None or intervals < 1:
+        return {}
+    share = handed_on_share_from_metrics(deltas)
+    second = share * router.get("second_token", 0.0) / intervals
+    steps = engine_ms / 1000 * (1 - share / intervals)
+    return {"decode leg, to the second token": second, "engine steps": steps, "relay": client_tpot_s - second - steps}
 
 
 class PathFigures(msgspec.Struct, frozen=True):

@@ -41,6 +41,7 @@ from benchmarks.phases import (
     engine_tpot_ms,
     requests_with_first_token,
     router_phases_from_metrics,
+    tpot_phases,
     ttft_phases,
 )
 from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport
@@ -329,16 +330,20 @@ def phase_table(scenarios: Sequence[ScenarioReport]) -> str:
     return phases_markdown({name: phases for s in scenarios for name, phases in s.phases_ms.items()})
 
 
-def phases_markdown(columns: Mapping[str, Mapping[str, float]], total: str = "= mean TTFT") -> str:
-    """TTFT phases (ms) as rows, one column each, then their sum labelled `total`; empty
-    without columns."""
+def phases_markdown(columns: Mapping[str, Mapping[str, float]], total: str = "= mean TTFT", digits: int = 1) -> str:
+    """Phases (ms, `digits` decimals) as rows, one column each, then their sum labelled
+    `total`; empty without columns."""
     if not columns:
         return ""
+
+    def ms(value: float | None) -> str:
+        return "—" if value is None else f"{value:,.{digits}f}"
+
     names = list(dict.fromkeys(p for phases in columns.values() for p in phases))
     lines = ["| Phase (mean ms) | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
     for phase in names:
-        lines.append(f"| {phase} | " + " | ".join(_ms(c.get(phase)) for c in columns.values()) + " |")
-    lines.append(f"| **{total}** | " + " | ".join(_ms(sum(c.values())) for c in columns.values()) + " |")
+        lines.append(f"| {phase} | " + " | ".join(ms(c.get(phase)) for c in columns.values()) + " |")
+    lines.append(f"| **{total}** | " + " | ".join(ms(sum(c.values())) for c in columns.values()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -647,12 +652,30 @@ def vllm_client_budget(results: list[ClientResult], scenarios: list[Scenario]) -
     return phases_markdown(columns, "= client's mean TTFT")
 
 
+def vllm_client_tpot_budget(results: list[ClientResult]) -> str:
+    """Where the mean TPOT vLLM's client saw went, per scenario and load, the plain vLLM
+    server's included (`benchmarks.phases.tpot_phases`: the router's second-token phase and
+    the engines' own TPOT from /metrics); empty when no server exposed its engine TPOT."""
+    columns: dict[str, dict[str, float]] = {}  # ms
+    for r in results:
+        completed = float(r.vllm.get("completed") or 0)  # type: ignore[arg-type]
+        if not completed:
+            continue
+        tokens = float(r.vllm["total_output_tokens"]) / completed  # type: ignore[arg-type]
+        phases = tpot_phases(router_phases_from_metrics(r.metrics), r.metrics, float(r.vllm["mean_tpot_ms"]) / 1000, tokens)  # type: ignore[arg-type]
+        if phases:
+            columns[f"{r.scenario}, {r.load}"] = {p: 1000 * seconds for p, seconds in phases.items()}
+    return phases_markdown(columns, "= client's mean TPOT", digits=2)
+
+
 def write_vllm_client_report(results: list[ClientResult], out: Path, command: str, scenarios: list[Scenario]) -> str:
-    """summary.md (the command, the table, the TTFT budget) and results.json in `out`; returns
+    """summary.md (the command, the table, the TTFT and TPOT budgets) and results.json in `out`; returns
     the tables."""
     text = vllm_client_table(results)
     if budget := vllm_client_budget(results, scenarios):
         text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
+    if budget := vllm_client_tpot_budget(results):
+        text += "\n\nWhere the mean TPOT went, per interval between two tokens (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
     (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
     (out / "results.json").write_bytes(msgspec.json.encode(results))
     return text

@@ -234,6 +234,8 @@ class RequestTrace(msgspec.Struct):
     # When the request that streams the output left for its engine (decode or colocated).
     t_decode_sent: float | None = None
     t_first_token: float | None = None
+    # The decode engine's first token, when the first was the prefill's.
+    t_second_token: float | None = None
     t_done: float | None = None
 
     def phases(self) -> dict[str, float]:
@@ -242,11 +244,14 @@ class RequestTrace(msgspec.Struct):
         prefill: arrival to the prefill engine's answer (disaggregated only); route: to the
         decode (or colocated) request leaving; first_token: to its first token (KV pull and
         first decode step, or queue and prefill when colocated; when the prefill's token is
-        streamed, handing it on, and no route: the decode request leaves after that); decode:
-        to the last token. Together, the phases before decode are the router's time to first token.
+        streamed, handing it on, and no route: the decode request leaves after that);
+        second_token (only then): to the decode engine's first token (the decode request's
+        way in, the KV pull, its first step, the way back); decode: to the last token.
+        Together, the phases before second_token are the router's time to first token.
         """
         route = None if self.first_from_prefill else self.t_decode_sent
-        marks = (("prefill", self.t_prefill_done), ("route", route), ("first_token", self.t_first_token), ("decode", self.t_done))
+        marks = (("prefill", self.t_prefill_done), ("route", route), ("first_token", self.t_first_token),
+                 ("second_token", self.t_second_token), ("decode", self.t_done))
         out, last = {}, self.t_arrival
         for name, t in marks:
             if t is not None:
@@ -759,8 +764,11 @@ class Router:
                 async with contextlib.aclosing(stream_engine(self.streams, engine, req)) as outputs:
                     async for out in outputs:
                         _raise_if_errored(engine, out, "request")
-                        if trace.t_first_token is None and any(c.token_ids for c in out.outputs):
-                            trace.t_first_token = time.perf_counter()
+                        if trace.t_second_token is None and any(c.token_ids for c in out.outputs):
+                            if trace.t_first_token is None:
+                                trace.t_first_token = time.perf_counter()
+                            elif trace.first_from_prefill:
+                                trace.t_second_token = time.perf_counter()
                         if not streaming and not trace.migrations and (
                             not self.disaggregated or trace.fallback or trace.disaggregation == "local"
                         ):

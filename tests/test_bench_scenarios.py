@@ -36,12 +36,14 @@ from benchmarks.phases import (
     engine_compute,
     engine_queue,
     engine_tpot_ms,
+    handed_on_share_from_metrics,
     metric_names,
     kv_rate_gib_s,
     router_phase,
     requests_with_first_token,
     router_phases_from_metrics,
     router_phases_from_traces,
+    tpot_phases,
     ttft_phases,
 )
 from benchmarks.scenarios import PORT_BAND, Scenario, free_ports, parse_scenario, parse_scenarios, scenario_config, vllm_server_command
@@ -251,6 +253,44 @@ def test_a_streamed_prefill_token_leaves_the_decode_leg_out_of_the_ttft() -> Non
     half = ttft_phases(router_phases_from_metrics(mixed), mixed, True, 0.400, requests_with_first_token(mixed), 0.5)
     assert half["decode: engine compute"] == pytest.approx(0.010) and half["KV transfer"] == pytest.approx(0.015)
     assert sum(half.values()) == pytest.approx(0.400)
+
+
+def test_the_tpot_budget_adds_up_to_the_clients_mean_tpot() -> None:
+    """A handed-on request spends one of its intervals on the decode leg (to the second
+    token); the decode engine timed the others; the rest is relay. A plain vLLM server
+    has engine steps and relay only (negative: its first chunk came late)."""
+    forwarded = RequestTrace(t_arrival=10.0, t_prefill_done=10.3, t_first_token=10.301, t_decode_sent=10.3012,
+                             t_second_token=10.313, t_done=11.0, first_from_prefill=True)
+    assert forwarded.phases() == pytest.approx({"prefill": 0.3, "first_token": 0.001, "second_token": 0.012, "decode": 0.687})
+    deltas = _deltas({"prefill": 0.300, "first_token": 0.001, "second_token": 0.0124, "decode": 0.1}, 4,
+                     tandem_engine_tpot_seconds_total=4 * 0.003, tandem_engine_decoded_requests_total=4)
+    assert handed_on_share_from_metrics(deltas) == 1.0
+    budget = tpot_phases(router_phases_from_metrics(deltas), deltas, client_tpot_s=0.0045, output_tokens=32)
+    assert budget == pytest.approx({"decode leg, to the second token": 0.0004, "engine steps": 0.003 * 30 / 31,
+                                    "relay": 0.0045 - 0.0004 - 0.003 * 30 / 31})
+    # Half handed on: the other half's engine timed all 31 intervals.
+    half = deltas | {router_phase("second_token", "count"): 2, router_phase("second_token", "sum"): 2 * 0.0124}
+    assert tpot_phases(router_phases_from_metrics(half), half, 0.0045, 32)["decode leg, to the second token"] == pytest.approx(0.0002)
+    plain = {"vllm:request_time_per_output_token_seconds_sum": 40 * 0.0032, "vllm:request_time_per_output_token_seconds_count": 40}
+    assert tpot_phases({}, plain, 0.0028, 32) == pytest.approx(
+        {"decode leg, to the second token": 0.0, "engine steps": 0.0032, "relay": -0.0004})
+    assert tpot_phases({}, {}, 0.0028, 32) == {} and tpot_phases({}, plain, 0.0028, 1) == {}
+
+
+def test_the_vllm_client_tpot_budget_has_a_column_per_scenario_the_plain_server_too() -> None:
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import vllm_client_tpot_budget
+
+    handed = _deltas({"first_token": 0.001, "second_token": 0.0124}, 4,
+                     tandem_engine_tpot_seconds_total=4 * 0.003, tandem_engine_decoded_requests_total=4)
+    plain = {"vllm:request_time_per_output_token_seconds_sum": 40 * 0.0032, "vllm:request_time_per_output_token_seconds_count": 40}
+    figures = {"completed": 40, "total_output_tokens": 40 * 32}
+    text = vllm_client_tpot_budget([ClientResult("vllm-server", "1 req/s", figures | {"mean_tpot_ms": 2.8}, plain),
+                                    ClientResult("1p1d", "1 req/s", figures | {"mean_tpot_ms": 4.5}, handed),
+                                    ClientResult("colocated:1", "1 req/s", {"completed": 0}, handed)])
+    assert text.splitlines()[0] == "| Phase (mean ms) | vllm-server, 1 req/s | 1p1d, 1 req/s |"
+    assert "| decode leg, to the second token | 0.00 | 0.40 |" in text and "| relay | -0.40 | 1.20 |" in text
+    assert "| engine steps | 3.20 | 2.90 |" in text and text.splitlines()[-1] == "| **= client's mean TPOT** | 2.80 | 4.50 |"
 
 
 def test_phases_add_up_when_some_requests_were_prefilled_locally() -> None:

@@ -500,6 +500,20 @@ def test_a_streamed_first_token_gives_the_same_output_and_the_decode_failing_sti
     assert d1.requests[0].prompt_token_ids == PROMPT + UNDISTURBED[:1] and d1.requests[0].kv_transfer_params is None
 
 
+def test_the_router_times_the_decode_engines_first_token_after_a_streamed_one() -> None:
+    """The second token is where a handed-on request's decode leg shows (the TPOT budget)."""
+    p, d = FakeEngine("p"), FakeEngine("d")
+    router, _ = routed([p.ref("prefill"), d.ref("decode")])
+    trace = RequestTrace()
+    assert tokens(run(router, trace=trace)) == UNDISTURBED
+    assert trace.first_from_prefill and trace.t_first_token < trace.t_second_token <= trace.t_done  # type: ignore[operator]
+    assert list(trace.phases()) == ["prefill", "first_token", "second_token", "decode"]
+    colocated, _ = routed([FakeEngine("c").ref("both")])
+    alone = RequestTrace()
+    run(colocated, trace=alone)
+    assert alone.t_second_token is None and "second_token" not in alone.phases()
+
+
 def test_a_one_token_request_is_served_by_its_prefill_engine_alone() -> None:
     p, d = FakeEngine("p"), FakeEngine("d")
     router, _ = routed([p.ref("prefill"), d.ref("decode")])
