@@ -80,6 +80,21 @@ def engine_processes(root: psutil.Process) -> list[psutil.Process]:
     return out
 
 
+def interrupt_leaving_nothing(proc: subprocess.Popen[bytes], what: str) -> int:
+    """Ctrl-C `what` (it must have engine processes under it); its exit code, once nothing it
+    started outlives a bounded wait."""
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert engine_processes(psutil.Process(proc.pid)), f"expected engine processes under {what}"
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=180)
+    # Ray and vLLM processes get their signals at exit and may take a while to go on a
+    # loaded host; none may outlive a bounded wait.
+    _, alive = psutil.wait_procs(tree, timeout=90)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"{what} left behind: {[(p.pid, p.name()) for p in alive]}"
+    return code
+
+
 def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with log.open("w") as out:
@@ -87,15 +102,7 @@ def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
     try:
         url = wait_for(READY, log.read_text, 720, "the ready line").group(1)
         ask(url)
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        assert engine_processes(psutil.Process(proc.pid)), "expected engine processes under tandem serve"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=180) == 0
-        # Ray and vLLM processes get their signals at exit and may take a while to go on a
-        # loaded host; none may outlive a bounded wait.
-        _, alive = psutil.wait_procs(tree, timeout=90)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+        assert interrupt_leaving_nothing(proc, "tandem serve") == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -212,13 +219,7 @@ def test_serve_run_build_app_serves_with_rays_processes_off_the_decode_engine(tm
         decode = next(r for pool in json.loads(shown)["pools"] if pool["role"] == "decode" for r in pool["replicas"])
         node = os.sched_getaffinity(0)
         assert cores < node and cores.isdisjoint(binding_cores(decode["cpu_binding"] or "")), (cores, node, decode)
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        assert engine_processes(psutil.Process(proc.pid)), "expected engine processes under serve run"
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=180)
-        _, alive = psutil.wait_procs(tree, timeout=90)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+        interrupt_leaving_nothing(proc, "serve run")
     finally:
         if proc.poll() is None:
             proc.kill()
