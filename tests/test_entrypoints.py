@@ -182,10 +182,11 @@ def test_ray_job_submit_serves_and_stops_cleanly(ray_head: tuple[str, str, dict[
 SERVE_RUN_READY = re.compile(r"Application '[^']+' is ready at (http://[^/\s]+)")
 
 
-def threads_cores(title: str) -> list[set[int]]:
-    """The allowed cores of every thread of the processes whose title starts with `title`."""
+def threads_cores(root: int, title: str) -> list[set[int]]:
+    """The allowed cores of every thread of the processes under `root` whose title starts
+    with `title` (another test's Ray may still be exiting beside it)."""
     found = []
-    for p in psutil.process_iter():
+    for p in psutil.Process(root).children(recursive=True):
         try:
             if " ".join(p.cmdline()).startswith(title):
                 found += [os.sched_getaffinity(t.id) for t in p.threads()]
@@ -205,13 +206,16 @@ def test_serve_run_build_app_serves_with_rays_processes_off_the_decode_engine(tm
     log = tmp_path / "serve-run.log"
     cmd = [str(BIN / "serve"), "run", "--app-dir", str(ROOT), "orchestrator.serve:build_app", f"config={write_config(tmp_path)}"]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""})
+        # As from a terminal: a runner that ignores SIGINT (a background job) would pass that on,
+        # and Python leaves an ignored SIGINT ignored, so serve run would never see the Ctrl-C.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         base = wait_for(SERVE_RUN_READY, log.read_text, 720, "serve run's ready line", fail="Traceback").group(1)
         ask(f"{base}/v1")
         # Serve's and Tandem's actors, on one set of cores narrower than the node's, apart
         # from the decode engine's compute core.
-        found = {title: threads_cores(title) for title in ("ray::ServeController", "ray::ProxyActor", "ray::ServeReplica", "ray::PoolManager")}
+        found = {title: threads_cores(proc.pid, title) for title in ("ray::ServeController", "ray::ProxyActor", "ray::ServeReplica", "ray::PoolManager")}
         assert all(found.values()), f"a process is missing: {found}"
         (cores,) = {frozenset(c) for threads in found.values() for c in threads}
         shown = subprocess.run([str(BIN / "tandem"), "status", "--json"], capture_output=True, text=True,
