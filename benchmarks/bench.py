@@ -6,7 +6,8 @@ OpenAI endpoint (each point warmed up first), the same load straight to the engi
 fallbacks, external tokens), teardown. Each run also reads the CPU of the server's processes.
 A plain vLLM server (`vllm-server`) after Tandem's colocated:1 is run once more beside a
 ballast of the extra CPU Tandem's stack took, with the direct runs' prompts: what that CPU
-alone costs an engine. A NIXL microbenchmark of the model's KV block shapes then gives the
+alone costs an engine. Ray Serve LLM's 1P1D (`ray-serve-llm`, benchmarks/ray_serve_llm.py) is
+the peer the disaggregated scenarios are set against. A NIXL microbenchmark of the model's KV block shapes then gives the
 raw bandwidth that serving's KV rate is set against. `--target-url` runs the same workload
 against any OpenAI-compatible server instead of deploying. The fault scenarios
 (`fault:prefill`, `fault:decode`) are not swept: their 1P1D takes one load at the last rate
@@ -26,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks import vllm_bench
+from benchmarks import ray_serve_llm, vllm_bench
 from benchmarks.ballast import ballast
 from benchmarks.report import write_bench_report, write_vllm_client_report
 from benchmarks.direct import run_direct
@@ -69,7 +70,7 @@ MIN_BALLAST_CORES = 0.01
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `tandem bench` options (defaults from BenchOptions)."""
     d = BenchOptions()
-    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
+    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server, ray-serve-llm, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
     p.add_argument("--client", choices=["tandem", "vllm"], default=d.client,
                    help="load generator: Tandem's own (all tables and plots) or vLLM's `vllm bench serve` on the random workload (default %(default)s)")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
@@ -114,6 +115,8 @@ def checked_scenarios(opts: BenchOptions) -> list[Scenario]:
     """The scenarios to run; ValueError for a bad name, or for a fault scenario on a cluster
     (it SIGKILLs an engine's pid, which means something on this host only)."""
     scenarios = parse_scenarios(scenario_names(opts))
+    if any(s.kind == "ray-serve-llm" for s in scenarios) and (why := ray_serve_llm.missing()):
+        raise ValueError(why)
     if opts.address and (faulty := [s.name for s in scenarios if s.fault]):
         raise ValueError(f"{', '.join(faulty)}: fault scenarios SIGKILL engine processes on this host, so they run on the embedded Ray only, not with --address")
     return scenarios
@@ -192,7 +195,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
     with deployed(scenario, setup.base, setup.port, log_dir) as target:
         logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
         meter = server_cpu_meter(target, embedded=not o.address)
-        runs = _sweep(setup, target.base_url, target.model, scenario.name, names, meter)
+        runs = _sweep(setup, target.base_url, target.model, scenario.name, names if target.metrics else [], meter)
         if not scenario.is_tandem:
             matched = run_cpu_matched(setup, target, meter, runs, reference) if reference is not None and meter is not None else []
             return ScenarioReport(scenario, target.startup_s, runs, cpu_matched=matched), None

@@ -66,6 +66,8 @@ _PERCENTILE_STYLES = (("p50", "-", "o"), ("p90", "-.", "^"), ("p99", "--", "s"))
 TOKEN_SOURCES = {"engine-cache hits": CACHE_HIT_TOKENS, "CPU-tier loads": TIER_TOKENS, "computed": COMPUTED_TOKENS}
 # The scenario every other one is set against in the vLLM-client table, when it ran.
 VLLM_REFERENCE = "vllm-server"
+# The peer system Tandem's disaggregated scenarios are set against, when it ran.
+PEER_REFERENCE = "ray-serve-llm"
 _EVENT_COLORS = ("C3", "C1", "C2", "C4", "C5")  # red, orange, green, ...: a fault, its detection, recovery
 
 
@@ -668,6 +670,24 @@ def vllm_client_tpot_budget(results: list[ClientResult]) -> str:
     return phases_markdown(columns, "= client's mean TPOT", digits=2)
 
 
+def peer_comparison(results: list[ClientResult]) -> str:
+    """Ray Serve LLM's figures over each other scenario's under the same load (how many times
+    slower it was), for the scenarios that are neither it nor the plain vLLM server; empty
+    when it did not run."""
+    peer = {r.load: r.vllm for r in results if r.scenario == PEER_REFERENCE}
+    lines = []
+    for r in results:
+        ref = peer.get(r.load)
+        if ref is None or r.scenario in (PEER_REFERENCE, VLLM_REFERENCE):
+            continue
+        ratios = [float(ref[k]) / float(r.vllm[k]) for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")]  # type: ignore[arg-type]
+        lines.append(f"| {r.scenario} | {r.load} | " + " | ".join(f"{x:.1f}x" for x in ratios) + " |")
+    if not lines:
+        return ""
+    return "\n".join([f"| scenario | load | {PEER_REFERENCE}'s TTFT p50 over this | TTFT p99 | TPOT p50 |",
+                      "| --- | --- | ---: | ---: | ---: |", *lines])
+
+
 def write_vllm_client_report(results: list[ClientResult], out: Path, command: str, scenarios: list[Scenario]) -> str:
     """summary.md (the command, the table, the TTFT and TPOT budgets) and results.json in `out`; returns
     the tables."""
@@ -676,6 +696,8 @@ def write_vllm_client_report(results: list[ClientResult], out: Path, command: st
         text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
     if budget := vllm_client_tpot_budget(results):
         text += "\n\nWhere the mean TPOT went, per interval between two tokens (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
+    if peer := peer_comparison(results):
+        text += "\n\nAgainst Ray Serve LLM's 1P1D (`benchmarks.ray_serve_llm`), same run:\n\n" + peer
     (out / "summary.md").write_text(f"`{command}`\n\n{text}\n")
     (out / "results.json").write_bytes(msgspec.json.encode(results))
     return text

@@ -2,10 +2,12 @@
 
 A scenario is named on the command line: `colocated:N` (N engines that prefill and decode
 themselves, behind the same router: the baseline), `<P>p<D>d` (P prefill and D decode engines,
-KV moved by the configured connector), or `vllm-server` (a plain `vllm.entrypoints.openai.
+KV moved by the configured connector), `vllm-server` (a plain `vllm.entrypoints.openai.
 api_server` subprocess with the same model and engine args, to check that Tandem's colocated
-figures match vLLM's own), or `fault:prefill` / `fault:decode` (a 1P1D whose prefill or decode
-engine is SIGKILLed under load: benchmarks/faults.py). Every Tandem scenario is the bench's
+figures match vLLM's own), `ray-serve-llm` (Ray Serve LLM's 1P1D with its defaults, the peer
+Tandem's 1P1D is measured against: benchmarks/ray_serve_llm.py), or `fault:prefill` /
+`fault:decode` (a 1P1D whose prefill or decode engine is SIGKILLed under load:
+benchmarks/faults.py). Every Tandem scenario is the bench's
 base config with only its pools replaced, so the model, engine args, connector settings and
 core binding stay the same.
 """
@@ -28,20 +30,23 @@ from typing import Any, Literal, get_args
 
 import httpx
 import msgspec
+import psutil
 
+from benchmarks import ray_serve_llm
 from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import Policy, PoolConfig, TandemConfig
 from orchestrator.models import hub_env, resolve_local
 from orchestrator.placement import omp_binding
 
 # "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
-ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "external"]
+ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "ray-serve-llm", "external"]
 FaultRole = Literal["prefill", "decode"]
 
 # On one machine the default also runs a plain vLLM server, the reference Tandem's colocated
-# engine is compared with; on a cluster (--address) that server would start on the bench's
-# own host, which may have no accelerator, so it is left to --scenarios.
-DEFAULT_SCENARIOS = "colocated:1,1p1d,vllm-server"
+# engine is compared with, and Ray Serve LLM's 1P1D, the peer its 1P1D is; on a cluster
+# (--address) those would start on the bench's own host, which may have no accelerator, so
+# they are left to --scenarios.
+DEFAULT_SCENARIOS = "colocated:1,1p1d,vllm-server,ray-serve-llm"
 DEFAULT_CLUSTER_SCENARIOS = "colocated:1,1p1d"
 
 _COLOCATED = re.compile(r"^colocated(?::(?P<n>\d+))?$")
@@ -75,10 +80,13 @@ class Scenario(msgspec.Struct, frozen=True):
 
 
 def parse_scenario(text: str) -> Scenario:
-    """`colocated[:N]`, `<P>p<D>d`, `vllm-server` or `fault:<prefill|decode>` (case-insensitive); ValueError otherwise."""
+    """`colocated[:N]`, `<P>p<D>d`, `vllm-server`, `ray-serve-llm` or `fault:<prefill|decode>`
+    (case-insensitive); ValueError otherwise."""
     name = text.strip().lower()
     if name == "vllm-server":
         return Scenario(name, "vllm-server", num_decode=1)
+    if name == "ray-serve-llm":
+        return Scenario(name, "ray-serve-llm", num_prefill=1, num_decode=1)
     if m := _COLOCATED.match(name):
         n = int(m["n"] or 1)
         if n < 1:
@@ -94,7 +102,7 @@ def parse_scenario(text: str) -> Scenario:
     if m := _FAULT.match(name):
         return Scenario(name, "disaggregated", num_prefill=1, num_decode=1, fault=m["role"])
     raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d[@<policy>[+conditional]] (e.g. 1p1d, "
-                     "2p1d@kv_aware+conditional), vllm-server, fault:prefill or fault:decode")
+                     "2p1d@kv_aware+conditional), vllm-server, ray-serve-llm, fault:prefill or fault:decode")
 
 
 def parse_scenarios(text: str) -> list[Scenario]:
@@ -127,7 +135,7 @@ def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_chan
         routing = msgspec.structs.replace(routing, policy=scenario.policy,
                                           disaggregation="conditional" if scenario.conditional else "always")
     kv = msgspec.structs.replace(base.kv_transfer, side_channel_base_port=side_channel_base_port)
-    if scenario.kind != "disaggregated":
+    if scenario.kind not in ("disaggregated", "ray-serve-llm"):
         pools: dict[str, PoolConfig | None] = {"colocated": pool(base.colocated, base.decode, replicas=scenario.num_decode), "prefill": None, "decode": None}
     else:
         pools = {
@@ -210,6 +218,9 @@ class Target(msgspec.Struct, frozen=True):
     startup_s: float
     deployment: Any = None  # orchestrator.deploy.Deployment for Tandem scenarios
     pid: int | None = None  # a plain vLLM server's process (its engine core is a child)
+    # Whether base_url/metrics serves the engines' Prometheus samples (Ray Serve LLM's are
+    # on a port of Ray's own).
+    metrics: bool = True
 
 
 @contextmanager
@@ -227,6 +238,14 @@ def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -
 
         with running(cfg, own_ray=False) as up:
             yield Target(up.url.removesuffix("/v1"), cfg.model.name, time.perf_counter() - t0, up.deployment)
+    elif scenario.kind == "ray-serve-llm":
+        log = log_dir / "ray-serve-llm.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        url = f"http://127.0.0.1:{cfg.serve.port}"
+        cmd = ray_serve_llm.server_command(cfg, cfg.serve.port, log.with_suffix(".json"))
+        # Its models list answers once both engines and its ingress are up.
+        with server_process(cmd, dict(os.environ), url, "/v1/models", log, 900.0, "Ray Serve LLM") as pid:
+            yield Target(url, cfg.model.name, time.perf_counter() - t0, pid=pid, metrics=False)
     else:
         with vllm_server(cfg, log_dir / "vllm-server.log") as (url, pid):
             yield Target(url, cfg.model.name, time.perf_counter() - t0, pid=pid)
@@ -271,34 +290,45 @@ def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
 @contextmanager
 def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:
     """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL and pid."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{cfg.serve.port}"
+    cmd = vllm_server_command(cfg, resolve_local(cfg.model.source))
+    with server_process(cmd, vllm_server_env(cfg), url, "/health", log_path, timeout_s, "vllm api_server") as pid:
+        yield url, pid
+
+
+@contextmanager
+def server_process(cmd: list[str], env: dict[str, str], url: str, ready_path: str, log_path: Path, timeout_s: float,
+                   what: str) -> Iterator[int]:
+    """Run `cmd` in a session of its own (so teardown reaches every process it starts) until
+    GET url+ready_path answers 200; yield its pid; stop the whole session at the end."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        # Its own session, so teardown reaches the engine-core processes vLLM spawns.
-        proc = subprocess.Popen(vllm_server_command(cfg, resolve_local(cfg.model.source)), stdout=log, stderr=subprocess.STDOUT, env=vllm_server_env(cfg), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             deadline = time.monotonic() + timeout_s
-            while not _healthy(url):
+            while not _answers(url + ready_path):
                 if proc.poll() is not None:
                     tail = log_path.read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"vllm api_server exited with {proc.returncode} during start-up; log {log_path}:\n{tail}")
+                    raise RuntimeError(f"{what} exited with {proc.returncode} during start-up; log {log_path}:\n{tail}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm api_server not healthy after {timeout_s:.0f} s; see {log_path}")
+                    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s; see {log_path}")
                 time.sleep(1.0)
-            yield url, proc.pid
+            yield proc.pid
         finally:
             stop_group(proc)
 
 
-def _healthy(url: str) -> bool:
+def _answers(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        return httpx.get(url, timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group we started, SIGKILL it if it lingers."""
+def stop_group(proc: subprocess.Popen[bytes], linger_s: float = 30.0) -> None:
+    """SIGTERM the process group of `proc` (started in a session of its own), SIGKILL it if it
+    lingers; then wait up to `linger_s` for the rest of its session (a server's workers may
+    outlive it by seconds, some in process groups of their own) and SIGKILL what is left."""
     for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
         if proc.poll() is not None:
             break
@@ -310,3 +340,23 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(wait_s)
         except subprocess.TimeoutExpired:
             continue
+    deadline = time.monotonic() + linger_s
+    while _session_left(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for left in _session_left(proc.pid):
+        try:
+            left.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _session_left(sid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of session `sid`."""
+    left = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return left

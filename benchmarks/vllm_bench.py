@@ -78,15 +78,16 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
         for scenario in scenarios:
             with deployed(scenario, base, port, out / "logs") as target:
                 for i, load in enumerate(runs):
-                    before = asyncio.run(scrape_metrics(target.base_url, names))
+                    scraped = names if target.metrics else []
+                    before = asyncio.run(scrape_metrics(target.base_url, scraped)) if scraped else {}
                     result_file = f"{scenario.name.replace('@', '-').replace('+', '-').replace(':', '')}-{i}.json"
                     cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", target.base_url,
                            "--endpoint", "/v1/completions", "--model", target.model, "--tokenizer", tokenizer,
                            "--save-result", "--result-dir", str(out), "--result-filename", result_file, *load.args]
                     print(f"== {scenario.name}, {load.label}: vllm bench serve {' '.join(cmd[3:])}", flush=True)
                     subprocess.run(cmd, check=True, start_new_session=True)
-                    after = asyncio.run(scrape_metrics(target.base_url, names))
-                    grown = {n: after[n] - before.get(n, 0.0) for n in names if n in after}
+                    after = asyncio.run(scrape_metrics(target.base_url, scraped)) if scraped else {}
+                    grown = {n: after[n] - before.get(n, 0.0) for n in scraped if n in after}
                     results.append(ClientResult(scenario.name, load.label,
                                                   json.loads((out / result_file).read_text()), grown))
     return results

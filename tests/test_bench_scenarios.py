@@ -70,6 +70,7 @@ BASE = parse_config({
         ("1p1d", Scenario("1p1d", "disaggregated", num_prefill=1, num_decode=1)),
         (" 2P1D ", Scenario("2p1d", "disaggregated", num_prefill=2, num_decode=1)),
         ("vllm-server", Scenario("vllm-server", "vllm-server", num_decode=1)),
+        ("Ray-Serve-LLM", Scenario("ray-serve-llm", "ray-serve-llm", num_prefill=1, num_decode=1)),
         ("fault:prefill", Scenario("fault:prefill", "disaggregated", num_prefill=1, num_decode=1, fault="prefill")),
         ("Fault:Decode", Scenario("fault:decode", "disaggregated", num_prefill=1, num_decode=1, fault="decode")),
     ],
@@ -152,8 +153,8 @@ def test_cli_options_become_bench_options() -> None:
     assert opts == BenchOptions(rates=(0.5, 2.0), scenarios="1p1d", nixl_micro=False, duration_s=30.0)
 
 
-def test_the_default_scenarios_add_a_plain_vllm_server_on_one_machine_only() -> None:
-    assert scenario_names(BenchOptions()) == "colocated:1,1p1d,vllm-server"
+def test_the_default_scenarios_add_a_plain_vllm_server_and_ray_serve_llm_on_one_machine_only() -> None:
+    assert scenario_names(BenchOptions()) == "colocated:1,1p1d,vllm-server,ray-serve-llm"
     assert scenario_names(BenchOptions(address="10.0.0.1:6379")) == "colocated:1,1p1d"
     assert scenario_names(BenchOptions(scenarios="2p2d", address="10.0.0.1:6379")) == "2p2d"
 
@@ -645,6 +646,77 @@ def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> 
                               ClientResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
     assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 | 6.0 / 4.0 |  |  |  |" in text
     assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 7.0 / 5.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
+
+
+def test_ray_serve_llms_figures_are_set_over_tandems_under_the_same_load() -> None:
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import peer_comparison
+
+    def figures(ttft: float, p99: float, tpot: float) -> dict[str, object]:
+        return {"median_ttft_ms": ttft, "p99_ttft_ms": p99, "median_tpot_ms": tpot}
+
+    results = [ClientResult("1p1d", "1 req/s", figures(20.0, 40.0, 3.0), {}),
+               ClientResult("1p1d", "2 req/s", figures(25.0, 50.0, 4.0), {}),
+               ClientResult("vllm-server", "2 req/s", figures(10.0, 20.0, 2.0), {}),
+               ClientResult("ray-serve-llm", "2 req/s", figures(125.0, 200.0, 11.0), {})]
+    lines = peer_comparison(results).splitlines()
+    assert lines[0] == "| scenario | load | ray-serve-llm's TTFT p50 over this | TTFT p99 | TPOT p50 |"
+    assert lines[2:] == ["| 1p1d | 2 req/s | 5.0x | 4.0x | 2.8x |"]  # no peer run at 1 req/s; no row for the plain server
+    assert peer_comparison(results[:3]) == ""
+
+
+def test_ray_serve_llm_gets_the_bench_models_engines_each_on_half_the_cores() -> None:
+    from benchmarks.ray_serve_llm import engine_cores, pd_serving_args
+
+    cfg = scenario_config(parse_config({"model": {"source": "builtin:tiny", "served_name": "tiny"}, "engine_args": {"max_model_len": 512}}),
+                          parse_scenario("ray-serve-llm"), port=9100, side_channel_base_port=7100)
+    args = pd_serving_args(cfg, "/models/tiny", [0, 1, 2, 3])
+    prefill, decode = args["prefill_config"], args["decode_config"]
+    assert prefill["model_loading_config"] == {"model_id": "tiny", "model_source": "/models/tiny"}
+    assert prefill["engine_kwargs"] == {"enforce_eager": True, "max_model_len": 512,
+                                        "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}}
+    assert prefill["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert decode["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
+    assert decode["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == str(cfg.cpu.kvcache_space_gib)
+    assert decode["placement_group_config"] == {"bundles": [{"CPU": 1}]}
+    msgspec.json.encode(args)  # plain data: it travels to the subprocess as JSON
+    assert engine_cores([4, 5, 6]) == ("4", "5,6")
+    with pytest.raises(ValueError, match="needs two cores"):
+        engine_cores([0])
+
+
+def test_stopping_a_servers_session_leaves_none_of_its_processes() -> None:
+    from benchmarks.scenarios import stop_group
+
+    # The leader goes at SIGTERM; its child ignores SIGTERM, as a server's worker that
+    # outlives its parent for a while would.
+    proc = subprocess.Popen(["sh", "-c", "(trap '' TERM; exec sleep 120) & wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len([p for p in psutil.process_iter() if _sid(p) == proc.pid]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = next(p for p in psutil.process_iter() if _sid(p) == proc.pid and p.pid != proc.pid)
+    stop_group(proc, linger_s=1.0)
+    assert proc.poll() is not None
+    deadline = time.monotonic() + 10  # SIGKILLed by stop_group: gone, or a zombie nobody reaps yet
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _sid(p: psutil.Process) -> int | None:
+    import os
+
+    try:
+        return os.getsid(p.pid)
+    except OSError:
+        return None
 
 
 def test_the_vllm_client_ttft_budget_adds_up_to_the_clients_mean_ttft() -> None:
