@@ -10,8 +10,8 @@ cores (VLLM_CPU_OMP_THREADS_BIND); everything else floats, as Ray Serve LLM leav
 Its session runs at the weight Tandem's own session gets in the bench (`cpu.session_nice`,
 see orchestrator.cluster.session_priority). At the default weight, vLLM's NIXL progress
 threads (one busy-polling thread per engine) left the benchmark client under 1% of a core on
-a 2-core host: it took minutes to import, and every latency it measured was its own wait
-(the 2-second TTFT in issue 20's table). Needs pyarrow (Tandem's `bench` extra), which Ray
+a 2-core host: it took minutes to import, and a latency it measured would have been mostly
+its own wait (most likely the 2-second TTFT in issue 20's table). Needs pyarrow (Tandem's `bench` extra), which Ray
 Serve LLM imports.
 """
 
