@@ -321,8 +321,12 @@ class EngineActor:
         `abort` was called for it; leaving vLLM's stream early aborts the request in vLLM."""
         rid = req.request_id
         if rid in self._aborted_early:
+            # Its router gave up on it before it arrived; `abort` released what it held. It
+            # counts as aborted here like one stopped while running: a client that hangs up
+            # just as its decode request leaves is an abort on the decode engine either way.
             del self._aborted_early[rid]
-            return  # its router gave up on it before it arrived; `abort` released what it held
+            self.stats.num_requests_aborted += 1
+            return
         ended = self._streams[rid] = asyncio.Event()
         self._started[rid] = None
         if len(self._started) > STARTED_MEMORY:

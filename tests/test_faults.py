@@ -481,6 +481,7 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
 
     kv_params = asyncio.run(prefill_only())
     assert ray.get(prefill.handle.get_stats.remote()).kv_cache_usage > 0, "the prefill holds its blocks for the decode"
+    aborted = ray.get(decode.handle.get_stats.remote()).num_requests_aborted
     assert ray.get(decode.handle.abort.remote("cancelled-before-start-d", kv_params)) is None
 
     async def late_decode() -> list[Any]:
@@ -489,6 +490,8 @@ def test_a_decode_cancelled_before_it_started_releases_the_prefills_blocks(pd: R
         return [out async for out in stream(decode.stream_address, req)]
 
     assert asyncio.run(late_decode()) == [], "a request aborted before it arrived must not run"
+    # Counted where it was dropped, as an abort of a running request is.
+    assert ray.get(decode.handle.get_stats.remote()).num_requests_aborted == aborted + 1
     nothing_leaked(pd)
 
 
