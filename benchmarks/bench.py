@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server, ray-serve-llm, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
     p.add_argument("--client", choices=["tandem", "vllm"], default=d.client,
                    help="load generator: Tandem's own (all tables and plots) or vLLM's `vllm bench serve` on the random workload (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="--client vllm: measure every scenario this many times, in turn, and report the median of each round's ratios to the plain vLLM server (default %(default)s)")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="measured requests per rate (default %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
@@ -112,8 +114,13 @@ def scenario_names(opts: BenchOptions) -> str:
 
 
 def checked_scenarios(opts: BenchOptions) -> list[Scenario]:
-    """The scenarios to run; ValueError for a bad name, or for a fault scenario on a cluster
-    (it SIGKILLs an engine's pid, which means something on this host only)."""
+    """The scenarios to run; ValueError for a bad name, for a fault scenario on a cluster
+    (it SIGKILLs an engine's pid, which means something on this host only), or for rounds
+    that do not apply."""
+    if opts.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, not {opts.rounds}")
+    if opts.rounds > 1 and opts.client != "vllm":
+        raise ValueError("--rounds applies to --client vllm only (Tandem's own load generator measures each scenario once)")
     scenarios = parse_scenarios(scenario_names(opts))
     if any(s.kind == "ray-serve-llm" for s in scenarios) and (why := ray_serve_llm.missing()):
         raise ValueError(why)
@@ -300,7 +307,7 @@ def run_vllm_client(opts: BenchOptions, out: Path) -> int:
         print(f"tandem bench: {err}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    results = vllm_bench.run(base_config(opts), scenarios, runs, out, opts.address)
+    results = vllm_bench.run(base_config(opts), scenarios, runs, out, opts.address, opts.rounds)
     print(write_vllm_client_report(results, out, _command(), scenarios))
     print(f"vLLM's result files and summary.md written to {out}/")
     return 0

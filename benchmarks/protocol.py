@@ -23,6 +23,12 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     # KV tables, the plots) or vLLM's `vllm bench serve` (benchmarks.vllm_bench: the figures
     # an outside user of vLLM's client gets).
     client: Literal["tandem", "vllm"] = "tandem"
+    # vLLM's client only: deploy and measure every scenario this many times, in turn (every
+    # other round in reverse order). This host's speed drifts over minutes (the plain server's
+    # own TPOT p50 1.8-2.8 ms from one run to the next), so a ratio between two scenarios
+    # measured minutes apart is as noisy; each round's ratios set scenarios against the plain
+    # server of the same round, and the report gives their median.
+    rounds: int = 1
     rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
     num_requests: int = 40  # measured requests per rate
     warmup: int = 2  # requests sent before each measured run
@@ -111,6 +117,7 @@ class ClientResult(msgspec.Struct, frozen=True):
     load: str  # the ClientRun's label
     vllm: dict[str, object]  # vLLM's result file, as written
     metrics: dict[str, float]  # the server's /metrics growth over the run (a vLLM server has engine TPOT only)
+    round: int = 0  # which of BenchOptions.rounds, from 0
 
     @property
     def engine_tpot_ms(self) -> float | None:

@@ -15,6 +15,7 @@ writing them needs no display and changes no global backend of the calling progr
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -614,17 +615,26 @@ def write_bench_report(report: BenchReport, out: Path) -> Path:
     return summary
 
 
+def _rounds(results: Sequence[ClientResult]) -> int:
+    return max((r.round for r in results), default=0) + 1
+
+
+def _load_label(r: ClientResult, rounds: int) -> str:
+    return r.load if rounds == 1 else f"{r.load}, round {r.round + 1}"
+
+
 def vllm_client_table(results: list[ClientResult]) -> str:
-    """vLLM's figures, each set against the plain vLLM server's under the same load when it ran,
-    and where the prompt tokens came from (an engine-cache hit is counted on the prefill engine
-    and again on the decode engine, so the shares can pass 100%)."""
-    reference = {r.load: r.vllm for r in results if r.scenario == VLLM_REFERENCE}
+    """vLLM's figures, each set against the plain vLLM server's under the same load (and round)
+    when it ran, and where the prompt tokens came from (an engine-cache hit is counted on the
+    prefill engine and again on the decode engine, so the shares can pass 100%)."""
+    rounds = _rounds(results)
+    reference = {(r.round, r.load): r.vllm for r in results if r.scenario == VLLM_REFERENCE}
     rows = ["| scenario | load | completed / failed | TTFT p50 / p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
             "| TPOT mean: client / engine (ms) "
             f"| TTFT / TPOT p50 vs {VLLM_REFERENCE} | prompt tokens: " + " / ".join(TOKEN_SOURCES) + " | local prefills |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
-        v, ref = r.vllm, reference.get(r.load)
+        v, ref = r.vllm, reference.get((r.round, r.load))
         ratio = (f"{v['median_ttft_ms'] / ref['median_ttft_ms']:.2f}x / {v['median_tpot_ms'] / ref['median_tpot_ms']:.2f}x"  # type: ignore[operator]
                  if ref is not None and r.scenario != VLLM_REFERENCE else "")
         total = float(v.get("total_input_tokens") or 1)  # type: ignore[arg-type]
@@ -632,18 +642,70 @@ def vllm_client_table(results: list[ClientResult]) -> str:
         engine = r.engine_tpot_ms
         tpot = f"{v['mean_tpot_ms']:.1f} / {engine:.1f}" if engine is not None else f"{v['mean_tpot_ms']:.1f} / —"
         local = f"{r.metrics[LOCAL_PREFILLS]:.0f}" if LOCAL_PREFILLS in r.metrics else ""
-        rows.append(f"| {r.scenario} | {r.load} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.1f} / "
+        rows.append(f"| {r.scenario} | {_load_label(r, rounds)} | {v['completed']} / {v.get('failed', 0)} | {v['median_ttft_ms']:,.1f} / "
                     f"{v['p99_ttft_ms']:,.1f} | {v['median_tpot_ms']:.1f} | {v['median_itl_ms']:.1f} | {tpot} | {ratio} | {shares} | {local} |")
     return "\n".join(rows)
+
+
+def round_ratios(results: list[ClientResult]) -> str:
+    """Each scenario's TTFT and TPOT p50 over the plain vLLM server's under the same load in
+    the same round, round by round, and the median of each; empty with one round or without
+    the plain server. The goals that set Tandem against a plain server are read here."""
+    rounds = _rounds(results)
+    reference = {(r.round, r.load): r.vllm for r in results if r.scenario == VLLM_REFERENCE}
+    if rounds == 1 or not reference:
+        return ""
+    cells: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    for r in results:
+        ref = reference.get((r.round, r.load))
+        if r.scenario == VLLM_REFERENCE or ref is None:
+            continue
+        ttft, tpot = (float(r.vllm[k]) / float(ref[k]) for k in ("median_ttft_ms", "median_tpot_ms"))  # type: ignore[arg-type]
+        cells.setdefault((r.scenario, r.load), {})[r.round] = (ttft, tpot)
+    rows = [f"| scenario | load | {' | '.join(f'round {i + 1}' for i in range(rounds))} | median |",
+            f"| --- | --- | {' | '.join('---:' for _ in range(rounds + 1))} |"]
+    for (scenario, load), by_round in cells.items():
+        ratios = [by_round.get(i) for i in range(rounds)]
+        median = tuple(statistics.median(x[k] for x in ratios if x is not None) for k in (0, 1))
+        row = " | ".join(f"{x[0]:.2f}x / {x[1]:.2f}x" if x is not None else "" for x in [*ratios, median])
+        rows.append(f"| {scenario} | {load} | {row} |")
+    return "\n".join(rows)
+
+
+def pooled(results: list[ClientResult]) -> list[ClientResult]:
+    """One result per scenario and load, its rounds pooled: the /metrics growth summed, the
+    requests and output tokens summed, the mean TTFT and TPOT weighted by requests (what
+    the budgets read). Percentiles do not pool; the tables above keep every round."""
+    groups: dict[tuple[str, str], list[ClientResult]] = {}
+    for r in results:
+        groups.setdefault((r.scenario, r.load), []).append(r)
+    merged = []
+    for (scenario, load), rs in groups.items():
+        if len(rs) == 1:
+            merged.append(rs[0])
+            continue
+        completed = [float(r.vllm.get("completed") or 0) for r in rs]  # type: ignore[arg-type]
+        vllm: dict[str, object] = {"completed": sum(completed),
+                                   "total_output_tokens": sum(float(r.vllm.get("total_output_tokens") or 0) for r in rs)}  # type: ignore[arg-type]
+        for key in ("mean_ttft_ms", "mean_tpot_ms"):
+            measured = [(n, float(r.vllm[key])) for n, r in zip(completed, rs) if n and key in r.vllm]  # type: ignore[arg-type]
+            if measured:
+                vllm[key] = sum(n * x for n, x in measured) / sum(n for n, _ in measured)
+        metrics: dict[str, float] = {}
+        for r in rs:
+            for name, value in r.metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + value
+        merged.append(ClientResult(scenario, load, vllm, metrics))
+    return merged
 
 
 def vllm_client_budget(results: list[ClientResult], scenarios: list[Scenario]) -> str:
     """Where the mean TTFT vLLM's client saw went, per Tandem scenario and load
     (`benchmarks.phases.ttft_phases`: the router's phases and the engine cores' timestamps
-    from /metrics); empty without Tandem scenarios."""
+    from /metrics), rounds pooled; empty without Tandem scenarios."""
     by_name = {s.name: s for s in scenarios}
     columns: dict[str, dict[str, float]] = {}  # ms
-    for r in results:
+    for r in pooled(results):
         scenario, served = by_name.get(r.scenario), requests_with_first_token(r.metrics)
         if scenario is None or not scenario.is_tandem or not served:
             continue
@@ -657,9 +719,10 @@ def vllm_client_budget(results: list[ClientResult], scenarios: list[Scenario]) -
 def vllm_client_tpot_budget(results: list[ClientResult]) -> str:
     """Where the mean TPOT vLLM's client saw went, per scenario and load, the plain vLLM
     server's included (`benchmarks.phases.tpot_phases`: the router's second-token phase and
-    the engines' own TPOT from /metrics); empty when no server exposed its engine TPOT."""
+    the engines' own TPOT from /metrics), rounds pooled; empty when no server exposed its
+    engine TPOT."""
     columns: dict[str, dict[str, float]] = {}  # ms
-    for r in results:
+    for r in pooled(results):
         completed = float(r.vllm.get("completed") or 0)  # type: ignore[arg-type]
         if not completed:
             continue
@@ -673,15 +736,16 @@ def vllm_client_tpot_budget(results: list[ClientResult]) -> str:
 def peer_comparison(results: list[ClientResult]) -> str:
     """Ray Serve LLM's figures over each other scenario's under the same load (how many times
     slower it was), for the scenarios that are neither it nor the plain vLLM server; empty
-    when it did not run."""
-    peer = {r.load: r.vllm for r in results if r.scenario == PEER_REFERENCE}
+    when it did not run. Each is set against Ray Serve LLM's run of the same round."""
+    rounds = _rounds(results)
+    peer = {(r.round, r.load): r.vllm for r in results if r.scenario == PEER_REFERENCE}
     lines = []
     for r in results:
-        ref = peer.get(r.load)
+        ref = peer.get((r.round, r.load))
         if ref is None or r.scenario in (PEER_REFERENCE, VLLM_REFERENCE):
             continue
         ratios = [float(ref[k]) / float(r.vllm[k]) for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")]  # type: ignore[arg-type]
-        lines.append(f"| {r.scenario} | {r.load} | " + " | ".join(f"{x:.1f}x" for x in ratios) + " |")
+        lines.append(f"| {r.scenario} | {_load_label(r, rounds)} | " + " | ".join(f"{x:.1f}x" for x in ratios) + " |")
     if not lines:
         return ""
     return "\n".join([f"| scenario | load | {PEER_REFERENCE}'s TTFT p50 over this | TTFT p99 | TPOT p50 |",
@@ -692,6 +756,9 @@ def write_vllm_client_report(results: list[ClientResult], out: Path, command: st
     """summary.md (the command, the table, the TTFT and TPOT budgets) and results.json in `out`; returns
     the tables."""
     text = vllm_client_table(results)
+    if ratios := round_ratios(results):
+        text += (f"\n\nTTFT / TPOT p50 over {VLLM_REFERENCE}'s, round by round (each round's own "
+                 f"{VLLM_REFERENCE} run), and the median:\n\n" + ratios)
     if budget := vllm_client_budget(results, scenarios):
         text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
     if budget := vllm_client_tpot_budget(results):

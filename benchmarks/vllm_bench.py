@@ -7,7 +7,10 @@ where the prompt tokens came from. Two ways in:
 
 `tandem bench --client vllm` runs the bench's own workload (random prompts of --input-len,
 --output-len tokens with ignore_eos, --num-requests per rate, Poisson at each of --rates) as
-vLLM's client sends it; the README's table comes from it. `python -m benchmarks.vllm_bench`
+vLLM's client sends it; the README's table comes from it. With `--rounds N` every scenario is
+deployed and measured N times, in turn, and each round's figures are set against the plain
+vLLM server's of the same round (on a host whose speed drifts over minutes, one ratio taken
+minutes apart is as noisy as the differences it measures). `python -m benchmarks.vllm_bench`
 passes everything after `--` to vLLM's client unchanged, e.g. the held-out check of the
 routing policies (issue 17) on vLLM's prefix-repetition dataset:
 
@@ -63,9 +66,16 @@ def workload_runs(opts: BenchOptions) -> list[ClientRun]:
     ]) for i, rate in enumerate(opts.rates)]
 
 
+def round_order(scenarios: list[Scenario], rounds: int) -> list[tuple[int, Scenario]]:
+    """(round, scenario) in the order they run: every scenario once per round, every other
+    round in reverse, so that a host slowing down or speeding up over the run weighs on the
+    first and the last scenario alike."""
+    return [(r, s) for r in range(rounds) for s in (scenarios if r % 2 == 0 else scenarios[::-1])]
+
+
 def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], out: Path,
-        address: str | None = None) -> list[ClientResult]:
-    """Every run against every scenario, each scenario deployed once."""
+        address: str | None = None, rounds: int = 1) -> list[ClientResult]:
+    """Every run against every scenario, each scenario deployed once per round."""
     tokenizer = str(resolve_local(base.model.source))
     # On a cluster, Serve may already listen on the config's port; on this machine, any free one.
     port = base.serve.port if address else free_ports(1)
@@ -75,21 +85,23 @@ def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], ou
     # Tandem as `tandem serve` runs it (its session at cpu.session_nice), the plain vLLM
     # server in a session of its own at the default weight (scenarios.vllm_server).
     with shared_ray(base, scenarios, address), session_priority(base.cpu.session_nice if base.device == "cpu" and not address else 0):
-        for scenario in scenarios:
+        for r, scenario in round_order(scenarios, rounds):
             with deployed(scenario, base, port, out / "logs") as target:
                 for i, load in enumerate(runs):
                     scraped = names if target.metrics else []
                     before = asyncio.run(scrape_metrics(target.base_url, scraped)) if scraped else {}
-                    result_file = f"{scenario.name.replace('@', '-').replace('+', '-').replace(':', '')}-{i}.json"
+                    stem = scenario.name.replace('@', '-').replace('+', '-').replace(':', '')
+                    result_file = f"{stem}-{i}.json" if rounds == 1 else f"{stem}-{i}-round{r + 1}.json"
                     cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", target.base_url,
                            "--endpoint", "/v1/completions", "--model", target.model, "--tokenizer", tokenizer,
                            "--save-result", "--result-dir", str(out), "--result-filename", result_file, *load.args]
-                    print(f"== {scenario.name}, {load.label}: vllm bench serve {' '.join(cmd[3:])}", flush=True)
+                    which = f"{scenario.name}, {load.label}" + (f", round {r + 1} of {rounds}" if rounds > 1 else "")
+                    print(f"== {which}: vllm bench serve {' '.join(cmd[3:])}", flush=True)
                     subprocess.run(cmd, check=True, start_new_session=True)
                     after = asyncio.run(scrape_metrics(target.base_url, scraped)) if scraped else {}
                     grown = {n: after[n] - before.get(n, 0.0) for n in scraped if n in after}
                     results.append(ClientResult(scenario.name, load.label,
-                                                  json.loads((out / result_file).read_text()), grown))
+                                                json.loads((out / result_file).read_text()), grown, r))
     return results
 
 

@@ -153,6 +153,23 @@ def test_cli_options_become_bench_options() -> None:
     assert opts == BenchOptions(rates=(0.5, 2.0), scenarios="1p1d", nixl_micro=False, duration_s=30.0)
 
 
+def test_rounds_are_checked_and_run_every_scenario_once_per_round_every_other_round_reversed() -> None:
+    from benchmarks.bench import checked_scenarios
+    from benchmarks.vllm_bench import round_order
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts = options_from_args(parser.parse_args(["--client", "vllm", "--rounds", "3", "--scenarios", "colocated:1,vllm-server"]))
+    assert (opts.client, opts.rounds) == ("vllm", 3)
+    scenarios = checked_scenarios(opts)
+    assert [(r, s.name) for r, s in round_order(scenarios, 3)] == [
+        (0, "colocated:1"), (0, "vllm-server"), (1, "vllm-server"), (1, "colocated:1"), (2, "colocated:1"), (2, "vllm-server")]
+    with pytest.raises(ValueError, match="at least 1, not 0"):
+        checked_scenarios(msgspec.structs.replace(opts, rounds=0))
+    with pytest.raises(ValueError, match="--client vllm only"):
+        checked_scenarios(msgspec.structs.replace(opts, client="tandem"))
+
+
 def test_the_default_scenarios_add_a_plain_vllm_server_and_ray_serve_llm_on_one_machine_only() -> None:
     assert scenario_names(BenchOptions()) == "colocated:1,1p1d,vllm-server,ray-serve-llm"
     assert scenario_names(BenchOptions(address="10.0.0.1:6379")) == "colocated:1,1p1d"
@@ -646,6 +663,54 @@ def test_the_vllm_client_table_sets_each_scenario_against_the_plain_server() -> 
                               ClientResult("1p1d", "2 req/s", figures(75.0, 6.0), grown)])
     assert "| vllm-server | 2 req/s | 40 / 0 | 50.0 / 100.0 | 5.0 | 5.0 | 6.0 / 4.0 |  |  |  |" in text
     assert "| 1p1d | 2 req/s | 40 / 0 | 75.0 / 150.0 | 6.0 | 6.0 | 7.0 / 5.0 | 1.50x / 1.20x | 50% / 50% / 50% | 3 |" in text
+
+
+def test_with_rounds_each_scenario_is_set_against_the_plain_server_of_its_own_round() -> None:
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import peer_comparison, round_ratios, vllm_client_table
+
+    def figures(ttft: float, tpot: float) -> dict[str, object]:
+        return {"completed": 40, "failed": 0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": tpot,
+                "mean_tpot_ms": tpot, "median_itl_ms": tpot, "total_input_tokens": 1000}
+
+    # The host slows down in round 2: the plain server with it.
+    results = [ClientResult("colocated:1", "2 req/s", figures(12.0, 2.2), {}, 0),
+               ClientResult("vllm-server", "2 req/s", figures(10.0, 2.0), {}, 0),
+               ClientResult("ray-serve-llm", "2 req/s", figures(100.0, 10.0), {}, 0),
+               ClientResult("ray-serve-llm", "2 req/s", figures(150.0, 15.0), {}, 1),
+               ClientResult("vllm-server", "2 req/s", figures(20.0, 4.0), {}, 1),
+               ClientResult("colocated:1", "2 req/s", figures(26.0, 4.8), {}, 1),
+               ClientResult("colocated:1", "2 req/s", figures(11.0, 2.0), {}, 2),
+               ClientResult("vllm-server", "2 req/s", figures(10.0, 2.0), {}, 2)]
+    table = vllm_client_table(results)
+    assert "| colocated:1 | 2 req/s, round 2 | 40 / 0 | 26.0 / 52.0 | 4.8 | 4.8 | 4.8 / — | 1.30x / 1.20x |  |  |" in table
+    lines = round_ratios(results).splitlines()
+    assert lines[0] == "| scenario | load | round 1 | round 2 | round 3 | median |"
+    assert lines[2] == "| colocated:1 | 2 req/s | 1.20x / 1.10x | 1.30x / 1.20x | 1.10x / 1.00x | 1.20x / 1.10x |"
+    assert lines[3] == "| ray-serve-llm | 2 req/s | 10.00x / 5.00x | 7.50x / 3.75x |  | 8.75x / 4.38x |"  # no round 3 run
+    assert round_ratios([r for r in results if r.round == 0]) == ""  # one round: the main table says it all
+    assert "| colocated:1 | 2 req/s, round 2 | 5.8x | 5.8x | 3.1x |" in peer_comparison(results)
+
+
+def test_rounds_pool_into_one_budget_column_per_scenario_and_load() -> None:
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import pooled, vllm_client_tpot_budget
+
+    def figures(completed: int, tpot: float) -> dict[str, object]:
+        return {"completed": completed, "total_output_tokens": 32 * completed, "mean_tpot_ms": tpot, "mean_ttft_ms": 10.0}
+
+    def engine(requests: int, tpot_s: float) -> dict[str, float]:
+        return {"tandem_engine_tpot_seconds_total": requests * tpot_s, "tandem_engine_decoded_requests_total": requests}
+
+    results = [ClientResult("colocated:1", "1 req/s", figures(30, 3.0), engine(30, 0.0028), 0),
+               ClientResult("colocated:1", "1 req/s", figures(10, 5.0), engine(10, 0.0048), 1)]
+    (merged,) = pooled(results)
+    assert (merged.vllm["completed"], merged.vllm["total_output_tokens"]) == (40, 40 * 32)
+    assert merged.vllm["mean_tpot_ms"] == pytest.approx(3.5) and merged.vllm["mean_ttft_ms"] == pytest.approx(10.0)
+    assert merged.metrics["tandem_engine_decoded_requests_total"] == 40 and merged.engine_tpot_ms == pytest.approx(3.3)
+    text = vllm_client_tpot_budget(results)
+    assert text.splitlines()[0] == "| Phase (mean ms) | colocated:1, 1 req/s |"
+    assert "| engine steps | 3.30 |" in text and text.splitlines()[-1] == "| **= client's mean TPOT** | 3.50 |"
 
 
 def test_ray_serve_llms_figures_are_set_over_tandems_under_the_same_load() -> None:
