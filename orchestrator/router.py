@@ -764,10 +764,13 @@ class Router:
                 async with contextlib.aclosing(stream_engine(self.streams, engine, req)) as outputs:
                     async for out in outputs:
                         _raise_if_errored(engine, out, "request")
-                        if trace.t_second_token is None and any(c.token_ids for c in out.outputs):
+                        # Only the first token of this leg is timed (the second of a request
+                        # whose first came from the prefill): later outputs are not searched.
+                        timing = trace.t_first_token is None or (trace.first_from_prefill and trace.t_second_token is None)
+                        if timing and any(c.token_ids for c in out.outputs):
                             if trace.t_first_token is None:
                                 trace.t_first_token = time.perf_counter()
-                            elif trace.first_from_prefill:
+                            else:
                                 trace.t_second_token = time.perf_counter()
                         if not streaming and not trace.migrations and (
                             not self.disaggregated or trace.fallback or trace.disaggregation == "local"
