@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import os
-import tempfile
+import shutil
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -36,6 +36,7 @@ from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
 from actors.logs import setup_logging
 from actors.resume import ResumedText
+from actors.run_dir import make_run_dir
 from actors.stream import Emit, StreamServer
 from actors.protocol import (
     TRANSFER_BUCKETS,
@@ -250,9 +251,12 @@ class EngineActor:
             kv_transfer_config=kv_transfer,
             **spec.engine_args,
         )
-        # vLLM's engine core publishes its KV-cache events on an ipc socket of this engine
-        # incarnation alone; routers follow them through `cache_updates`.
-        events_endpoint = f"ipc://{tempfile.gettempdir()}/tandem-kv-events-{spec.engine_id}-{self.incarnation}"
+        # vLLM's ipc sockets, its engine processes inheriting the setting, and the KV-cache
+        # events it publishes for this incarnation (routers follow them through
+        # `cache_updates`) live in a directory of this process's (actors.run_dir).
+        self.run_dir = make_run_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(self.run_dir)
+        events_endpoint = f"ipc://{self.run_dir}/kv-events"
         self.kv_events = KVEventFollower(events_endpoint)
         args.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
         # vLLM binds only its OpenMP compute threads; its scheduler process, this actor's
@@ -488,9 +492,11 @@ class EngineActor:
         return self.stats
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine core processes before the actor itself is killed."""
+        """Stop vLLM's engine core processes before the actor itself is killed, and remove
+        the sockets they leave."""
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
         self.kv_events.close()
         self.stream.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -17,8 +17,10 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ import psutil
 import pytest
 import ray
 
+from actors.run_dir import PREFIX as RUN_DIR_PREFIX
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
 from orchestrator.protocol import DeploymentStatus
@@ -69,10 +72,19 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
     with running(cfg, own_ray=False) as up:
         yield up
         pids = engine_pids(up)
+        actors = {r.pid for pool in status(up).pools for r in pool.replicas if r.pid is not None}
+        assert all(run_dir(pid).is_dir() for pid in actors)
     deadline = time.monotonic() + 30  # killed processes take a moment to be reaped
     while (alive := _alive(pids)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive, f"engine processes left after stop: {alive}"
+    left = [str(run_dir(pid)) for pid in actors if run_dir(pid).exists()]
+    assert not left, f"engines' socket directories left after stop: {left}"
+
+
+def run_dir(pid: int) -> Path:
+    """Where the engine actor `pid` on this host keeps vLLM's sockets (actors.run_dir)."""
+    return Path(tempfile.gettempdir()) / f"{RUN_DIR_PREFIX}{socket.gethostname()}-{pid}"
 
 
 def _alive(pids: set[int]) -> list[str]:
@@ -270,6 +282,8 @@ def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, ref
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
     assert after.pid != victim.pid and after.incarnation != victim.incarnation
+    # The killed actor could not remove its sockets; the engine started after it did.
+    assert not run_dir(victim.pid).exists() and run_dir(after.pid).is_dir()
     m = scrape(pd)
     assert metric(m, "tandem_engine_restarts_total", engine="prefill-0") == 1
     assert metric(m, "tandem_fallbacks_total") > 0, "requests met no prefill engine while it restarted"
@@ -302,6 +316,8 @@ def test_killing_vllms_engine_core_under_a_live_actor_restarts_the_replica(pd: R
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
     assert after.pid != victim.pid and after.incarnation != victim.incarnation
+    # The killed actor could not remove its sockets; the engine started after it did.
+    assert not run_dir(victim.pid).exists() and run_dir(after.pid).is_dir()
     assert "EngineDeadError" in (after.last_error or "")
     nothing_leaked(pd)
 
