@@ -7,11 +7,14 @@ socket Tandem gives each engine. A host that starts engines often (tests, benchm
 recovery) collected thousands in /tmp. So each engine actor gets a directory of its own,
 named after its host and pid, for all of them: removed when the engine shuts down, and, for
 an actor that was killed (SIGKILL runs no clean-up), by the next engine that starts on the
-host. The host name keeps containers that share a /tmp out of each other's directories.
+host. The host's name keeps containers that share a /tmp out of each other's directories; it
+goes in as a short hash, since a Unix socket's path must fit in 107 bytes and a Kubernetes
+pod's host name alone may take 63. A `VLLM_RPC_BASE_PATH` set by the user stays the parent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -23,16 +26,18 @@ import psutil
 PREFIX = "tandem-engine-"
 
 
-def _own_prefix() -> str:
-    return f"{PREFIX}{socket.gethostname()}-"
+def own_prefix() -> str:
+    """The start of this host's run directories' names: "tandem-engine-<host hash>-"."""
+    return f"{PREFIX}{hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()}-"
 
 
 def make_run_dir(root: Path | None = None) -> Path:
-    """A new, empty directory for this process's sockets; the directories of this host's
-    engine processes that are gone are removed first."""
-    root = Path(tempfile.gettempdir()) if root is None else root
+    """A new, empty directory for this process's sockets (under `root`, by default the
+    user's VLLM_RPC_BASE_PATH or the temp dir); the directories of this host's engine
+    processes that are gone are removed first."""
+    root = Path(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()) if root is None else root
     sweep_dead(root)
-    path = root / f"{_own_prefix()}{os.getpid()}"
+    path = root / f"{own_prefix()}{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)  # a dead process's, whose pid this one reuses
     path.mkdir(mode=0o700)
     return path
@@ -41,8 +46,8 @@ def make_run_dir(root: Path | None = None) -> Path:
 def sweep_dead(root: Path) -> list[Path]:
     """Remove the run directories of this host's processes that no longer exist; returns them."""
     removed = []
-    for path in root.glob(f"{_own_prefix()}*"):
-        pid = path.name.removeprefix(_own_prefix())
+    for path in root.glob(f"{own_prefix()}*"):
+        pid = path.name.removeprefix(own_prefix())
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

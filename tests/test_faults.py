@@ -17,7 +17,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import psutil
 import pytest
 import ray
 
-from actors.run_dir import PREFIX as RUN_DIR_PREFIX
+from actors.run_dir import own_prefix
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
 from orchestrator.protocol import DeploymentStatus
@@ -84,7 +83,7 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
 
 def run_dir(pid: int) -> Path:
     """Where the engine actor `pid` on this host keeps vLLM's sockets (actors.run_dir)."""
-    return Path(tempfile.gettempdir()) / f"{RUN_DIR_PREFIX}{socket.gethostname()}-{pid}"
+    return Path(tempfile.gettempdir()) / f"{own_prefix()}{pid}"
 
 
 def _alive(pids: set[int]) -> list[str]:
