@@ -55,10 +55,40 @@ def start_embedded_ray(num_cpus: int, **kwargs: Any) -> None:
     )
 
 
+def join_ray(address: str, **kwargs: Any) -> None:
+    """ray.init() into the running cluster at `address`, with Ray's token when it runs here.
+
+    Ray (2.52 on) turns token authentication on for every cluster a plain ``ray.init()``
+    starts, Tandem's embedded one included, keeps the token in ~/.ray/auth_token, and sets
+    ``RAY_AUTH_MODE=token`` only in that process and its children. A driver from another
+    shell sends the token to a cluster Ray finds itself (``auto``) but never to one named by
+    address, so ``tandem status --address`` against a deployment on this very host was
+    refused ("InvalidAuthToken") and reported as no cluster. A cluster whose GCS runs on this
+    host is the one ``auto`` would find: do what Ray does for it. A cluster elsewhere keeps
+    Ray's rule (the operator sets ``RAY_AUTH_MODE=token``), and its refusal says so.
+    """
+    from ray._private.authentication.authentication_token_setup import (
+        AUTH_MODE_ENV_VAR,
+        maybe_enable_token_auth_if_token_available,
+    )
+    from ray._private.services import find_gcs_addresses
+
+    if AUTH_MODE_ENV_VAR not in os.environ and address in find_gcs_addresses():
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as err:
+        hint = "" if os.environ.get(AUTH_MODE_ENV_VAR, "").lower() == "token" else (
+            f"; if that cluster uses Ray's token authentication, set {AUTH_MODE_ENV_VAR}=token and give "
+            "its token (~/.ray/auth_token on this machine, or RAY_AUTH_TOKEN)"
+        )
+        raise ConnectionError(f"no Ray cluster accepted a connection at {address!r} ({err}){hint}") from None
+
+
 def init_ray(cfg: TandemConfig, address: str | None) -> bool:
     """Join `address` (or RAY_ADDRESS), else start an embedded single-machine Ray; True if embedded."""
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=True)
+        join_ray(address or os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=True)
         return False
     need = sum(p.num_cpus * p.replicas for p in cfg.pools.values())
     # Logical CPUs cover every engine, whatever the machine has.

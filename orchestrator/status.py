@@ -21,13 +21,13 @@ class StatusError(RuntimeError):
 def fetch_status(address: str, app: str, timeout_s: float = 30.0) -> DeploymentStatus:
     import ray
 
-    from orchestrator.cluster import NAMESPACE
+    from orchestrator.cluster import NAMESPACE, join_ray
     from orchestrator.pools import manager_name
 
     try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+        join_ray(address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
     except ConnectionError as err:
-        raise StatusError(f"no Ray cluster at {address!r} ({err}); pass the address `tandem serve` printed with --address") from None
+        raise StatusError(f"{err}; pass the address `tandem serve` printed with --address") from None
     try:
         try:
             manager = ray.get_actor(manager_name(app), namespace=NAMESPACE)

@@ -255,7 +255,10 @@ def kill_while_serving(up: Running, engine_id: str, pid: int, timeout_s: float =
 
 def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Running) -> None:
     gcs = ray.get_runtime_context().gcs_address
-    out = subprocess.run([str(BIN / "tandem"), "status", "--json", "--address", gcs], capture_output=True, text=True, timeout=120)
+    # An operator's shell, not this process's child: Ray set RAY_AUTH_MODE=token here when it
+    # started the cluster, and a shell of the operator's has no such variable.
+    shell = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    out = subprocess.run([str(BIN / "tandem"), "status", "--json", "--address", gcs], capture_output=True, text=True, timeout=120, env=shell)
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     pools = {p["role"]: p["replicas"] for p in data["pools"]}
@@ -269,7 +272,7 @@ def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Runn
         assert r["child_pids"] == infos[r["id"]].child_pids and all(psutil.pid_exists(p) for p in r["child_pids"])
         assert r["child_pids"] and r["cores"] == infos[r["id"]].cores
     assert data["cpu_tier"]["capacity"] > 0
-    text = subprocess.run([str(BIN / "tandem"), "status", "--address", gcs], capture_output=True, text=True, timeout=120)
+    text = subprocess.run([str(BIN / "tandem"), "status", "--address", gcs], capture_output=True, text=True, timeout=120, env=shell)
     assert "deployment tandem: ok" in text.stdout and "prefill-0" in text.stdout
 
 
