@@ -73,14 +73,17 @@ def join_ray(address: str, **kwargs: Any) -> None:
     )
     from ray._private.services import find_gcs_addresses
 
-    if AUTH_MODE_ENV_VAR not in os.environ and address in find_gcs_addresses():
+    here = address in find_gcs_addresses()
+    if AUTH_MODE_ENV_VAR not in os.environ and here:
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     try:
         ray.init(address=address, **kwargs)
     except ConnectionError as err:
-        hint = "" if os.environ.get(AUTH_MODE_ENV_VAR, "").lower() == "token" else (
+        # "auto" and a cluster on this host get the token as above, if there is one.
+        sent_token = address == "auto" or here or os.environ.get(AUTH_MODE_ENV_VAR, "").lower() == "token"
+        hint = "" if sent_token else (
             f"; if that cluster uses Ray's token authentication, set {AUTH_MODE_ENV_VAR}=token and give "
-            "its token (~/.ray/auth_token on this machine, or RAY_AUTH_TOKEN)"
+            "its token (its ~/.ray/auth_token, or RAY_AUTH_TOKEN)"
         )
         raise ConnectionError(f"no Ray cluster accepted a connection at {address!r} ({err}){hint}") from None
 
