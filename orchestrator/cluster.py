@@ -71,9 +71,13 @@ def join_ray(address: str, **kwargs: Any) -> None:
         AUTH_MODE_ENV_VAR,
         maybe_enable_token_auth_if_token_available,
     )
-    from ray._private.services import find_gcs_addresses
+    from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
 
-    here = address in find_gcs_addresses()
+    try:  # localhost or a host name as Ray's processes give it (the node's IP)
+        canonical = address if address == "auto" or "://" in address else canonicalize_bootstrap_address(address)
+    except ValueError:
+        raise ConnectionError(f"{address!r} is not a Ray cluster address: give HOST:PORT of its GCS, or auto") from None
+    here = canonical in find_gcs_addresses()
     if AUTH_MODE_ENV_VAR not in os.environ and here:
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     try:

@@ -13,7 +13,7 @@ import pytest
 from actors.affinity import NODE_CORES_ENV, node_cores, parse_cores
 from actors.load import LoadMeter
 from orchestrator.autoscale import ScaleDecider
-from orchestrator.cluster import serves_actor
+from orchestrator.cluster import join_ray, serves_actor
 from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
 from orchestrator.placement import (
     EngineSlot,
@@ -413,3 +413,8 @@ def test_a_shrinking_pool_gives_up_a_replica_still_starting_before_draining_a_se
     busy, idle = replica("decode-0", "healthy", 3), replica("decode-1", "healthy", 1)
     assert shrink_victim([busy, idle]) is idle  # none starting: the least loaded healthy one
     assert shrink_victim([replica("decode-0", "healthy", 1), replica("decode-1", "healthy", 1)]).engine_id == "decode-1"
+
+
+def test_joining_by_an_address_that_is_not_host_port_names_it_before_ray_tries() -> None:
+    with pytest.raises(ConnectionError, match="'headnode' is not a Ray cluster address: give HOST:PORT"):
+        join_ray("headnode")
