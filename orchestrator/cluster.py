@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +33,8 @@ DEATH_INFO_WAIT_MS = 100
 # Tandem's named actors (the pool manager, the CPU tier) live in this Ray namespace, so
 # `tandem status` and the Serve ingress find them from any driver.
 NAMESPACE = "tandem"
+# How long a GCS address may take to accept a TCP connection before Tandem gives up on it.
+GCS_PROBE_TIMEOUT_S = 5.0
 
 
 def start_embedded_ray(num_cpus: int, **kwargs: Any) -> None:
@@ -65,7 +68,8 @@ def join_ray(address: str, **kwargs: Any) -> None:
     address, so ``tandem status --address`` against a deployment on this very host was
     refused ("InvalidAuthToken") and reported as no cluster. A cluster whose GCS runs on this
     host is the one ``auto`` would find: do what Ray does for it. A cluster elsewhere keeps
-    Ray's rule (the operator sets ``RAY_AUTH_MODE=token``), and its refusal says so.
+    Ray's rule (the operator sets ``RAY_AUTH_MODE=token``), and its refusal says so. An
+    address where nothing listens fails at once (``_probe_gcs``) instead of after Ray's retries.
     """
     from ray._private.authentication.authentication_token_setup import (
         AUTH_MODE_ENV_VAR,
@@ -77,6 +81,8 @@ def join_ray(address: str, **kwargs: Any) -> None:
         canonical = address if address == "auto" or "://" in address else canonicalize_bootstrap_address(address)
     except ValueError:
         raise ConnectionError(f"{address!r} is not a Ray cluster address: give HOST:PORT of its GCS, or auto") from None
+    if canonical != "auto" and "://" not in canonical:
+        _probe_gcs(canonical, address)
     here = canonical in find_gcs_addresses()
     if AUTH_MODE_ENV_VAR not in os.environ and here:
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
@@ -90,6 +96,20 @@ def join_ray(address: str, **kwargs: Any) -> None:
             "its token (its ~/.ray/auth_token, or RAY_AUTH_TOKEN)"
         )
         raise ConnectionError(f"no Ray cluster accepted a connection at {address!r} ({err}){hint}") from None
+
+
+def _probe_gcs(canonical: str, given: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> None:
+    """Fail at once, naming the address, when nothing accepts a TCP connection at `canonical`
+    (`given` in Ray's canonical form): Ray's own connect retries a dead GCS address for 40 s
+    to several minutes before it gives up."""
+    host, _, port = canonical.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as err:
+        raise ConnectionError(
+            f"nothing accepts connections at {given!r}{'' if given == canonical else f' ({canonical})'} "
+            f"({err}): no Ray cluster's GCS listens there"
+        ) from None
 
 
 def init_ray(cfg: TandemConfig, address: str | None) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 
 import msgspec
 import pytest
@@ -418,3 +419,11 @@ def test_a_shrinking_pool_gives_up_a_replica_still_starting_before_draining_a_se
 def test_joining_by_an_address_that_is_not_host_port_names_it_before_ray_tries() -> None:
     with pytest.raises(ConnectionError, match="'headnode' is not a Ray cluster address: give HOST:PORT"):
         join_ray("headnode")
+
+
+def test_joining_an_address_where_nothing_listens_fails_at_once_naming_it() -> None:
+    with socket.socket() as sock:  # a port that was free a moment ago and is closed now
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectionError, match=rf"nothing accepts connections at '127.0.0.1:{port}'.*no Ray cluster's GCS"):
+        join_ray(f"127.0.0.1:{port}")
