@@ -77,11 +77,12 @@ def join_ray(address: str, **kwargs: Any) -> None:
     )
     from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
 
-    try:  # localhost or a host name as Ray's processes give it (the node's IP)
-        canonical = address if address == "auto" or "://" in address else canonicalize_bootstrap_address(address)
-    except ValueError:
-        raise ConnectionError(f"{address!r} is not a Ray cluster address: give HOST:PORT of its GCS, or auto") from None
-    if canonical != "auto" and "://" not in canonical:
+    canonical = address  # a Ray Client address (ray://) is Ray's to resolve
+    if "://" not in address:
+        try:  # localhost or a host name as Ray's processes give it (the node's IP); "auto" resolved
+            canonical = canonicalize_bootstrap_address(address) or address
+        except ValueError:
+            raise ConnectionError(f"{address!r} is not a Ray cluster address: give HOST:PORT of its GCS, or auto") from None
         _probe_gcs(canonical, address)
     here = canonical in find_gcs_addresses()
     if AUTH_MODE_ENV_VAR not in os.environ and here:
@@ -106,9 +107,11 @@ def _probe_gcs(canonical: str, given: str, timeout_s: float = GCS_PROBE_TIMEOUT_
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as err:
+        where = "" if given == canonical else f" ({canonical})"
+        if given == "auto":
+            where = f" ({canonical}: RAY_ADDRESS, or the cluster `ray start` last started on this host)"
         raise ConnectionError(
-            f"nothing accepts connections at {given!r}{'' if given == canonical else f' ({canonical})'} "
-            f"({err}): no Ray cluster's GCS listens there"
+            f"nothing accepts connections at {given!r}{where} ({err}): no Ray cluster's GCS listens there"
         ) from None
 
 

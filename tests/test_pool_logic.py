@@ -421,9 +421,23 @@ def test_joining_by_an_address_that_is_not_host_port_names_it_before_ray_tries()
         join_ray("headnode")
 
 
-def test_joining_an_address_where_nothing_listens_fails_at_once_naming_it() -> None:
-    with socket.socket() as sock:  # a port that was free a moment ago and is closed now
+def closed_port() -> int:
+    """A port that was free a moment ago and has nothing listening now."""
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def test_joining_an_address_where_nothing_listens_fails_at_once_naming_it() -> None:
+    port = closed_port()
     with pytest.raises(ConnectionError, match=rf"nothing accepts connections at '127.0.0.1:{port}'.*no Ray cluster's GCS"):
         join_ray(f"127.0.0.1:{port}")
+
+
+def test_auto_naming_a_cluster_that_is_gone_fails_at_once_saying_where_auto_looked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray's "auto" takes RAY_ADDRESS first, then the address the last `ray start` left in
+    # /tmp/ray/ray_current_cluster; either may name a cluster that has since stopped.
+    port = closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=rf"nothing accepts connections at 'auto' \([^)]*:{port}: RAY_ADDRESS"):
+        join_ray("auto")
