@@ -46,8 +46,9 @@ def make_run_dir(root: Path | None = None) -> Path:
 def sweep_dead(root: Path) -> list[Path]:
     """Remove the run directories of this host's processes that no longer exist; returns them."""
     removed = []
-    for path in root.glob(f"{own_prefix()}*"):
-        pid = path.name.removeprefix(own_prefix())
+    prefix = own_prefix()
+    for path in root.glob(f"{prefix}*"):
+        pid = path.name.removeprefix(prefix)
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
