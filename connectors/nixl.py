@@ -22,7 +22,9 @@ one core.
 It also tags every completed transfer with its request id, so the engine actor can name
 the request of a slow transfer (``TandemNixlStats``), and lets a decode request's prompt go on
 past what the prefill computed (``TandemNixlScheduler``): the router streams the prefill's
-first token to the client and the decode engine continues from prompt + that token.
+first token to the client and the decode engine continues from prompt + that token. On a
+CPU engine it posts a step's KV READs before the step's forward pass, not after it as vLLM
+does for GPUs (``TandemNixlConnector.bind_connector_metadata``).
 
 Everything else is vLLM's pull-mode (READ) NixlConnector, unchanged. Engines load it with
 ``kv_connector="TandemNixlConnector"``, ``kv_connector_module_path="connectors.nixl"``.
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.distributed import nixl_utils
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlConnector,
@@ -49,12 +51,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 
 from actors.nixl_agent import make_nixl_agent
 from connectors.config import PREFILLED_TOKENS, NixlConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -163,9 +167,11 @@ class TandemNixlScheduler(NixlPullConnectorScheduler):
 
 class TandemNixlConnector(NixlConnector):
     """NixlConnector (pull mode) whose worker role is a TandemNixlWorker (or `worker_cls`, for
-    a subclass that changes the worker side)."""
+    a subclass that changes the worker side), posting a CPU engine's READs before its forward."""
 
     worker_cls: type[TandemNixlWorker] = TandemNixlWorker
+    # Whether this step's READs were posted when its metadata was bound (CPU engines).
+    _loads_started = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # NixlConnector's own __init__ would build vLLM's worker (and its agent) first;
@@ -177,3 +183,20 @@ class TandemNixlConnector(NixlConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
             self.connector_worker = self.worker_cls(vllm_config, self.engine_id, kv_cache_config)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Post this step's KV READs before the forward pass. vLLM's model runner posts them
+        after it, which on a GPU overlaps the host's posting with the device's work; on a
+        CPU engine the forward is synchronous, so a READ posted after it starts a whole
+        step late. Posted first, it runs while this step computes (the prefill engine
+        serves it) and its request can be scheduled a step sooner."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and current_platform.is_cpu():
+            self.connector_worker.start_load_kv(connector_metadata)
+            self._loads_started = True
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._loads_started:  # already posted at bind
+            self._loads_started = False
+            return
+        super().start_load_kv(forward_context, **kwargs)

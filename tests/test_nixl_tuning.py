@@ -22,8 +22,10 @@ import pytest
 from actors.engine import _observe_connector_stats
 from actors.protocol import EngineInfo, EngineStats
 from connectors.config import PREFILLED_TOKENS
+from connectors import nixl
 from connectors.nixl import (
     EXTRA_CONFIG_KEY,
+    TandemNixlConnector,
     TandemNixlScheduler,
     TandemNixlStats,
     TandemNixlWorker,
@@ -299,6 +301,38 @@ def test_worker_records_each_finished_transfer_under_its_request() -> None:
     assert worker.xfer_stats.data["request_ids"] == ["a", "b"]
     assert worker.xfer_stats.data["bytes_transferred"] == [10, 30]
     assert worker.xfer_stats.polling_request is None
+
+
+class _PostingWorker:
+    """Records the metadata of each start_load_kv, as vLLM's pull worker posts its READs."""
+
+    def __init__(self) -> None:
+        self.posted: list[object] = []
+
+    def start_load_kv(self, metadata: object) -> None:
+        self.posted.append(metadata)
+
+
+def _model_runner_step(connector: TandemNixlConnector, metadata: object, events: list[str], worker: _PostingWorker) -> None:
+    """What vLLM's model runner does with a connector in one step: bind, forward, then start
+    the (async) loads (kv_connector_model_runner_mixin)."""
+    connector.bind_connector_metadata(metadata)
+    events.append(f"forward, {len(worker.posted)} posted")
+    connector.start_load_kv(forward_context=None)
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_a_cpu_engine_posts_each_steps_reads_once_before_the_forward(cpu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nixl, "current_platform", SimpleNamespace(is_cpu=lambda: cpu))
+    connector = TandemNixlConnector.__new__(TandemNixlConnector)  # the worker role's step path only
+    connector.connector_worker = worker = _PostingWorker()
+    monkeypatch.setattr(nixl.NixlConnector, "start_load_kv", lambda self, fc, **kw: worker.start_load_kv(self._connector_metadata))
+    events: list[str] = []
+    for step in ("step-1", "step-2"):
+        _model_runner_step(connector, step, events, worker)
+    assert worker.posted == ["step-1", "step-2"]  # each step's metadata posted exactly once
+    # On a CPU the READs are out before the forward; on a GPU after it, as vLLM orders them.
+    assert events == (["forward, 1 posted", "forward, 2 posted"] if cpu else ["forward, 0 posted", "forward, 1 posted"])
 
 
 def _decode_side_scheduler(lookahead: int = 0) -> TandemNixlScheduler:
