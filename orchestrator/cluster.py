@@ -83,6 +83,8 @@ def join_ray(address: str, **kwargs: Any) -> None:
             canonical = canonicalize_bootstrap_address(address) or address
         except ValueError:
             raise ConnectionError(f"{address!r} is not a Ray cluster address: give HOST:PORT of its GCS, or auto") from None
+        except ConnectionError as err:  # "auto" with no cluster to find
+            raise ConnectionError(f"no Ray cluster found for {address!r}: {err}") from None
         _probe_gcs(canonical, address)
     here = canonical in find_gcs_addresses()
     if AUTH_MODE_ENV_VAR not in os.environ and here:

@@ -441,3 +441,13 @@ def test_auto_naming_a_cluster_that_is_gone_fails_at_once_saying_where_auto_look
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     with pytest.raises(ConnectionError, match=rf"nothing accepts connections at 'auto' \([^)]*:{port}: RAY_ADDRESS"):
         join_ray("auto")
+
+
+def test_auto_with_no_cluster_to_find_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray._private.services as services
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])  # no GCS on this host
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)  # no `ray start` recorded
+    with pytest.raises(ConnectionError, match="no Ray cluster found for 'auto': Could not find any running Ray instance"):
+        join_ray("auto")
