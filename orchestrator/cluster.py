@@ -77,15 +77,17 @@ def join_ray(address: str, **kwargs: Any) -> None:
     )
     from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
 
-    canonical = address  # a Ray Client address (ray://) is Ray's to resolve
+    canonical = address  # a Ray Client address (ray://) and "local" (a new Ray) are Ray's to resolve
     if "://" not in address:
         try:  # localhost or a host name as Ray's processes give it (the node's IP); "auto" resolved
-            canonical = canonicalize_bootstrap_address(address) or address
+            resolved = canonicalize_bootstrap_address(address)
         except ValueError:
             raise ConnectionError(f"{address!r} is not a Ray cluster address: give HOST:PORT of its GCS, or auto") from None
         except ConnectionError as err:  # "auto" with no cluster to find
             raise ConnectionError(f"no Ray cluster found for {address!r}: {err}") from None
-        _probe_gcs(canonical, address)
+        if resolved is not None:
+            canonical = resolved
+            _probe_gcs(canonical, address)
     here = canonical in find_gcs_addresses()
     if AUTH_MODE_ENV_VAR not in os.environ and here:
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
