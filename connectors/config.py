@@ -15,6 +15,14 @@ from msgspec import Meta, Struct
 # the client already, ends it). The decode engine pulls those and computes the rest itself.
 PREFILLED_TOKENS = "tandem_prefilled_tokens"
 
+# Tandem's own connectors: class name -> the module defining it. Engines load them by module
+# path, which the pool manager writes into every engine's kv_transfer_config from this table
+# without importing vLLM (connectors.registry, which does, registers the same names).
+TANDEM_CONNECTORS: dict[str, str] = {
+    "TandemMultiConnector": "connectors.multi",
+    "TandemNixlConnector": "connectors.nixl",
+}
+
 
 class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""

@@ -25,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 from vllm.utils.func_utils import supports_kw
 
+from connectors.config import TANDEM_CONNECTORS
+
 _BASE_PATH = "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1"
 # Keys vLLM's KVTransferConfig accepts; anything else fails when an engine builds it.
 _KV_TRANSFER_KEYS = frozenset(f.name for f in dataclasses.fields(KVTransferConfig))
@@ -79,13 +81,6 @@ def _vllm_names() -> frozenset[str]:
 def register_connector(name: str, module_path: str, class_name: str) -> None:
     """Register ``name`` -> ``module_path.class_name`` lazily; a taken name raises."""
     _REGISTRY.register(name, module_path, class_name)
-
-
-def tandem_module_path(name: str) -> str | None:
-    """The module of a connector registered by Tandem (engines load it by module path);
-    None for vLLM's names and unknown ones."""
-    spec = _REGISTRY.get(name)
-    return spec.module_path if spec is not None else None
 
 
 def registered_names() -> list[str]:
@@ -266,5 +261,5 @@ def register_in_vllm() -> None:
             KVConnectorFactory.register_connector(name, spec.module_path, spec.class_name)
 
 
-register_connector("TandemMultiConnector", "connectors.multi", "TandemMultiConnector")
-register_connector("TandemNixlConnector", "connectors.nixl", "TandemNixlConnector")
+for _name, _module in TANDEM_CONNECTORS.items():
+    register_connector(_name, _module, _name)

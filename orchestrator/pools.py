@@ -24,6 +24,7 @@ What it adds, because Ray cannot know it:
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -191,6 +192,7 @@ class PoolManager:
         self._stopping = False
         # Background loops started once serving: the autoscaler, the tier's node check.
         self._loops: list[asyncio.Task[None]] = []
+        self._vllm_sampling: asyncio.Future[Any] | None = None  # vllm.sampling_params, imported by start()
 
     # ---- start ----
 
@@ -198,6 +200,9 @@ class PoolManager:
         """Place and start every pool's first replicas, pre-warm their handshakes, then
         watch them. Raises DeployError naming what failed."""
         t0 = time.perf_counter()
+        # The pre-warm requests are built from vLLM's SamplingParams; importing vLLM takes
+        # seconds of one core, so a thread does it while the engines start, not the event loop.
+        self._vllm_sampling = asyncio.ensure_future(asyncio.to_thread(importlib.import_module, "vllm.sampling_params"))
         planned: list[tuple[Role, str, PlacementGroup]] = []
         for role, pool in self.cfg.pools.items():
             for _ in range(pool.replicas):
@@ -408,8 +413,8 @@ class PoolManager:
     async def _prewarm(self, p: Replica, d: Replica) -> str | None:
         """Send one request through a prefill -> decode pair so the NIXL handshake (seconds)
         happens now, not on a user's request. Returns what went wrong, or None."""
-        assert p.info is not None and d.info is not None
-        from vllm.sampling_params import SamplingParams
+        assert p.info is not None and d.info is not None and self._vllm_sampling is not None
+        SamplingParams = (await self._vllm_sampling).SamplingParams
 
         # Both engines are pinned: nothing is routed, so no cache view.
         router = Router([p.ref(), d.ref()], msgspec.structs.replace(self.cfg.routing, policy="round_robin", disaggregation="always"))

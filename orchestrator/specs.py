@@ -11,6 +11,7 @@ import msgspec
 from actors.engine import EngineSpec
 from actors.kv_store import TierSettings
 from actors.protocol import EngineInfo, Role
+from connectors.config import TANDEM_CONNECTORS
 from orchestrator.cluster import WORKER_NICENESS
 from orchestrator.config import TandemConfig
 from orchestrator.models import hub_env
@@ -30,15 +31,13 @@ def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = N
     kv = cfg.kv_transfer
     children: list[dict[str, Any]] = []
     if cfg.disaggregated:
-        from connectors.registry import tandem_module_path
-
         pd: dict[str, Any] = {
             "kv_connector": kv.connector,
             "kv_role": KV_ROLES[role],
             "kv_buffer_device": kv.buffer_device,
             "kv_connector_extra_config": dict(kv.extra_config),
         }
-        module_path = kv.module_path or tandem_module_path(kv.connector)
+        module_path = kv.module_path or TANDEM_CONNECTORS.get(kv.connector)
         if module_path is not None:
             pd["kv_connector_module_path"] = module_path
         if module_path == "connectors.nixl":
@@ -58,7 +57,7 @@ def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = N
     # Even a lone tier child runs under the multi connector, which counts hits and fallbacks.
     return {
         "kv_connector": "TandemMultiConnector",
-        "kv_connector_module_path": "connectors.multi",
+        "kv_connector_module_path": TANDEM_CONNECTORS["TandemMultiConnector"],
         "kv_role": KV_ROLES[role],
         "kv_buffer_device": kv.buffer_device,
         # A failed load (a dead store, a lost block) recomputes instead of failing the request.

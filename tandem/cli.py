@@ -64,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--app", default="tandem", help="the deployment's serve.app_name (default: tandem)")
     p.add_argument("--json", action="store_true", help="print JSON: {pools: [{role, replicas: [{id, state, node, pid, outstanding, restarts, last_error, missed_checks}]}], cpu_tier}")
     p.set_defaults(func=_status)
-    from benchmarks.bench import add_arguments, main as bench
-
     p = sub.add_parser("bench", help="colocated vs disaggregated (and plain vLLM) on one workload: tables, plots, overhead, KV efficiency")
-    add_arguments(p)
-    p.set_defaults(func=bench)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # The bench's options live beside it in benchmarks.bench, which imports vLLM and
+        # matplotlib (seconds): only `tandem bench` pays for that, not `validate` or `status`.
+        from benchmarks.bench import add_arguments, main as bench
+
+        add_arguments(p)
+        p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

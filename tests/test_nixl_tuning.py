@@ -4,7 +4,8 @@ Pure logic first: config -> agent settings and engine environment, the core spli
 leaves room for the engine's non-OpenMP threads, per-request transfer records, the slow-
 transfer count and log, how much of a decode request's prompt the decode side claims from
 the prefill engine. Then one real 1P1D deployment: pre-warmed before it reports ready,
-every thread of every engine process on its engine's cores.
+every thread of every engine process on its engine's cores, Ray's own processes off the
+decode engine's.
 """
 
 from __future__ import annotations
@@ -402,64 +403,26 @@ def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:
 
 
 @pytest.mark.engines
-def test_prewarm_moves_kv_before_the_deployment_reports_ready(ray_local: None, tiny_model: Any) -> None:
-    """Deploy 1P1D with the defaults: by the time start() returns, every P->D handshake has
-    been made and a real KV block has moved over NIXL, before any user request. Every
-    thread of every engine process (actor, vLLM engine core, worker) runs where placement
-    put it: the worker's (the forward pass's) on the engine's compute cores only (vLLM's NIXL
-    worker moves its compute thread to the host's last core, which is another engine's, and
-    TandemNixlConnector moves it back), the others on the engine's other cores. Every thread also runs at
-    Tandem's worker niceness, not Ray's default 15 (orchestrator/cluster.py says why).
+def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_the_decode_engine(
+        ray_local: None, tiny_model: Any) -> None:
+    """One real 1P1D deployment served with the defaults (one start-up, checked two ways).
+
+    Pre-warmed and placed: by the time it reports ready, every P->D handshake has been made
+    and a real KV block has moved over NIXL, before any user request; every thread of every
+    engine process runs where placement put it (see `check_prewarmed_and_placed`).
+
+    Ray's own processes: while it serves, every thread of the embedded Ray's own processes
+    (its daemons, Serve's controller, the ingress, the pool manager, the CPU tier) runs on
+    cores no decode step computes on: the cores no engine computes on, else the prefill
+    engine's (placement.control_cores; on a 2-core host, the prefill engine's core). The
+    engines keep their own placement, an unbound engine started meanwhile still gets the
+    whole node (it starts in a worker of the narrowed raylet), a decode engine SIGKILLed and
+    restarted while Ray's processes are confined again and again comes back on its own
+    placement, and once the deployment is torn down Ray's processes get the node's cores back.
 
     The idle-CPU target (< 0.1 core for an idle 1P1D) is a performance figure, so it lives in
     `benchmarks/idle_cpu.py` (see docs/performance.md), not in a test.
     """
-    import ray
-
-    from orchestrator.deploy import Deployment
-
-    cfg = parse_config({**PD, "model": {"source": str(tiny_model)}})
-    deployment = Deployment(cfg)
-    deployment.start()
-    try:
-        decode = next(e for e in deployment.engines if e.role == "decode")
-        moved = ray.get(decode.handle.get_stats.remote()).transfers
-        infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in deployment.engines}
-        threads = {eid: engine_threads(info.pid) for eid, info in infos.items()}
-    finally:
-        deployment.stop()
-    assert moved.num_transfers == 1, "exactly the pre-warm request's pull"
-    assert moved.bytes > 0 and moved.num_failed == 0
-    compute = {eid: {int(c) for c in (info.cpu_binding or "").split(",") if c} for eid, info in infos.items()}
-    assert compute["prefill-0"] and compute["decode-0"] and compute["prefill-0"].isdisjoint(compute["decode-0"])
-    if len(os.sched_getaffinity(0)) // 2 == 1:
-        # One core each: the decode engine's other threads run on the prefill engine's core,
-        # its forward pass alone on its own (placement.process_cores).
-        assert infos["decode-0"].cores == infos["prefill-0"].cores == sorted(compute["prefill-0"])
-    else:
-        assert compute["decode-0"] < set(infos["decode-0"].cores or []), "a core left out of OpenMP"
-    for eid, info in infos.items():
-        assert len({name for name, _, _ in threads[eid]}) >= 3, "actor, engine core and worker"
-        assert info.niceness == WORKER_NICENESS, "the embedded Ray starts its workers at Tandem's niceness"
-        for name, affinity, nice in threads[eid]:
-            others = set(info.cores or [])
-            # A worker beside its engine's other threads may also have threads started before
-            # OpenMP bound it; one whose engine moved them elsewhere stays on its own cores.
-            allowed = compute[eid] if name == "VLLM::Worker" and not compute[eid] <= others else others
-            assert affinity <= allowed, f"{eid}: a thread of {name} runs on cores {affinity}, not within {allowed}"
-            assert nice == WORKER_NICENESS, f"{eid}: a thread of {name} runs at niceness {nice}"
-
-
-@pytest.mark.engines
-def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_after(ray_local: None, tiny_model: Any) -> None:
-    """While a 1P1D deployment serves, every thread of the embedded Ray's own processes (its
-    daemons, Serve's controller, the ingress, the pool manager, the CPU tier) runs on cores
-    no decode step computes on: the cores no engine computes on, else the prefill engine's
-    (placement.control_cores; on a 2-core host, the prefill engine's core). The engines keep
-    their own placement, an unbound engine started meanwhile still gets the whole node (it
-    starts in a worker of the narrowed raylet), a decode engine SIGKILLed and restarted while
-    Ray's processes are confined again and again comes back on its own placement, and once
-    the deployment is torn down Ray's processes get the node's cores back."""
     import openai
     import ray
 
@@ -472,6 +435,8 @@ def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_afte
                         "serve": {"port": free_port(), "token_path_base_port": free_port(8)},
                         "kv_transfer": {"side_channel_base_port": free_port(8)}})
     with running(cfg, own_ray=False) as up:
+        decode = next(e for e in up.deployment.engines if e.role == "decode")
+        moved = ray.get(decode.handle.get_stats.remote()).transfers  # before any request
         infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in up.deployment.engines}
         omp = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
         confined = ray_threads()
@@ -496,6 +461,7 @@ def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_afte
         restarted_threads = engine_threads(back.pid)
         confined_after_restart = ray_threads()
     after = ray_threads()
+    check_prewarmed_and_placed(moved, infos, before)
     assert out.choices[0].text and out.usage.completion_tokens == 4
     expected = (node - omp["prefill-0"] - omp["decode-0"]) or (node - omp["decode-0"])
     if len(node) == 2:
@@ -509,6 +475,36 @@ def test_rays_own_processes_stay_off_the_decode_engines_cores_and_come_back_afte
     assert (back.cores, back.cpu_binding) == (infos["decode-0"].cores, infos["decode-0"].cpu_binding), "the same placement"
     assert not misplaced(restarted_threads, set(back.cores or []), omp["decode-0"]), f"restarted decode-0: {restarted_threads}"
     assert after and all(affinity == node for _, affinity in after), f"not back on {node}: {[t for t in after if t[1] != node]}"
+
+
+def check_prewarmed_and_placed(moved: Any, infos: dict[str, EngineInfo],
+                               threads: dict[str, list[tuple[str, set[int], int]]]) -> None:
+    """`moved`, the decode engine's transfers when the deployment reported ready: the pre-warm
+    request's pull alone. `threads` of each engine: the worker's (the forward pass's) on the
+    engine's compute cores only (vLLM's NIXL worker moves its compute thread to the host's last
+    core, which is another engine's, and TandemNixlConnector moves it back), the others on the
+    engine's other cores; all at Tandem's worker niceness, not Ray's default 15
+    (orchestrator/cluster.py says why)."""
+    assert moved.num_transfers == 1, "exactly the pre-warm request's pull"
+    assert moved.bytes > 0 and moved.num_failed == 0
+    compute = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
+    assert compute["prefill-0"] and compute["decode-0"] and compute["prefill-0"].isdisjoint(compute["decode-0"])
+    if len(os.sched_getaffinity(0)) // 2 == 1:
+        # One core each: the decode engine's other threads run on the prefill engine's core,
+        # its forward pass alone on its own (placement.process_cores).
+        assert infos["decode-0"].cores == infos["prefill-0"].cores == sorted(compute["prefill-0"])
+    else:
+        assert compute["decode-0"] < set(infos["decode-0"].cores or []), "a core left out of OpenMP"
+    for eid, info in infos.items():
+        assert len({name for name, _, _ in threads[eid]}) >= 3, "actor, engine core and worker"
+        assert info.niceness == WORKER_NICENESS, "the embedded Ray starts its workers at Tandem's niceness"
+        for name, affinity, nice in threads[eid]:
+            others = set(info.cores or [])
+            # A worker beside its engine's other threads may also have threads started before
+            # OpenMP bound it; one whose engine moved them elsewhere stays on its own cores.
+            allowed = compute[eid] if name == "VLLM::Worker" and not compute[eid] <= others else others
+            assert affinity <= allowed, f"{eid}: a thread of {name} runs on cores {affinity}, not within {allowed}"
+            assert nice == WORKER_NICENESS, f"{eid}: a thread of {name} runs at niceness {nice}"
 
 
 def misplaced(threads: list[tuple[str, set[int], int]], cores: set[int], omp: set[int]) -> list[tuple[str, set[int]]]:
