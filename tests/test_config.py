@@ -156,6 +156,19 @@ def _validate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_only_tandem_bench_imports_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench's options come from benchmarks.bench (vLLM's benchmark client, matplotlib:
+    seconds of imports); `tandem validate`, `status` and `serve` must not pay for them."""
+    script = ("import sys; from tandem.cli import main; code = main(['validate', 'examples/1p1d-cpu.yaml']); "
+              "print(code, 'benchmarks.bench' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.stdout.splitlines()[-1:] == ["0 False"], res.stdout + res.stderr[-2000:]
+    from tandem.cli import main
+
+    assert main(["bench", "--rounds", "0"]) == 2  # `tandem bench` still parses its own options
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_validate_cli_accepts_an_example() -> None:
     res = _validate(ROOT / "examples" / "1p1d-cpu.yaml")
     assert res.returncode == 0, res.stderr
