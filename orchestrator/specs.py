@@ -40,7 +40,7 @@ def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = N
         module_path = kv.module_path or TANDEM_CONNECTORS.get(kv.connector)
         if module_path is not None:
             pd["kv_connector_module_path"] = module_path
-        if module_path == "connectors.nixl":
+        if module_path == TANDEM_CONNECTORS["TandemNixlConnector"]:
             pd["kv_connector_extra_config"].setdefault("tandem_nixl", msgspec.to_builtins(kv.nixl))
         children.append(pd)
     if cfg.cpu_tier.enabled:
