@@ -149,38 +149,38 @@ def test_preflight_bad_connector_name() -> None:
         preflight(parse_config({"kv_transfer": {"connector": "NoSuchConnector"}}))
 
 
-def _validate(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "validate", str(path), *flags], capture_output=True, text=True, cwd=ROOT,
-        timeout=300,
-    )
+def _validate(capsys: pytest.CaptureFixture[str], path: Path, *flags: str) -> tuple[int, str, str]:
+    """`tandem validate PATH FLAGS` in this process: (exit code, stdout, stderr). An error
+    that escaped the CLI's handling would raise here instead of printing a traceback."""
+    from tandem.cli import main
+
+    code = main(["validate", str(path), *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_only_tandem_bench_imports_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
-    """The bench's options come from benchmarks.bench (vLLM's benchmark client, matplotlib:
-    seconds of imports); `tandem validate`, `status` and `serve` must not pay for them."""
+def test_validate_cli_accepts_an_example_and_only_tandem_bench_imports_the_benchmark(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`tandem validate` as its own process. The bench's options come from benchmarks.bench
+    (vLLM's benchmark client, matplotlib: seconds of imports); `tandem validate`, `status`
+    and `serve` must not pay for them."""
     script = ("import sys; from tandem.cli import main; code = main(['validate', 'examples/1p1d-cpu.yaml']); "
               "print(code, 'benchmarks.bench' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert res.stdout.splitlines()[-1:] == ["0 False"], res.stdout + res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("OK examples/1p1d-cpu.yaml") and lines[-1] == "0 False", res.stdout + res.stderr[-2000:]
     from tandem.cli import main
 
     assert main(["bench", "--rounds", "0"]) == 2  # `tandem bench` still parses its own options
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
-def test_validate_cli_accepts_an_example() -> None:
-    res = _validate(ROOT / "examples" / "1p1d-cpu.yaml")
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("OK ")
-
-
-def test_validate_show_fills_in_derived_defaults() -> None:
+def test_validate_show_fills_in_derived_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     """--show prints every default, the CPU tier's pools (derived from the routing) and the
     stream batching chosen for the device included."""
-    res = _validate(ROOT / "examples" / "routing-cpu.yaml", "--show")
-    assert res.returncode == 0, res.stderr
-    shown = json.loads(res.stdout.split("\n", 1)[1])
+    code, out, err = _validate(capsys, ROOT / "examples" / "routing-cpu.yaml", "--show")
+    assert code == 0, err
+    shown = json.loads(out.split("\n", 1)[1])
     assert shown["routing"]["disaggregation"] == "conditional"
     assert shown["cpu_tier"]["save_from"] == shown["cpu_tier"]["load_into"] == ["both", "decode", "prefill"]
     assert shown["serve"]["stream_batch_ms"] == 50.0  # a CPU deployment's chunks
@@ -198,13 +198,12 @@ def test_validate_show_fills_in_derived_defaults() -> None:
     ],
     ids=["unknown-field", "negative-replicas", "bad-connector", "missing-model", "bad-yaml", "yaml-boolean"],
 )
-def test_validate_cli_rejects_broken_configs(tmp_path: Path, text: str, expected: str) -> None:
+def test_validate_cli_rejects_broken_configs(capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text(text)
-    res = _validate(path)
-    assert res.returncode == 2
-    assert expected in res.stderr
-    assert "Traceback" not in res.stderr
+    code, _, err = _validate(capsys, path)
+    assert code == 2
+    assert expected in err and err.startswith("tandem: config error: "), err
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
