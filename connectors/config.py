@@ -23,9 +23,6 @@ TANDEM_CONNECTORS: dict[str, str] = {
     "TandemNixlConnector": "connectors.nixl",
 }
 
-# Set in the environment of the engines Tandem starts, for its vLLM plugin (connectors.plugin).
-ENGINE_MARK = "TANDEM_ENGINE"
-
 
 class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""

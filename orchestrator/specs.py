@@ -11,7 +11,7 @@ import msgspec
 from actors.engine import EngineSpec
 from actors.kv_store import TierSettings
 from actors.protocol import EngineInfo, Role
-from connectors.config import ENGINE_MARK, TANDEM_CONNECTORS
+from connectors.config import TANDEM_CONNECTORS
 from orchestrator.cluster import WORKER_NICENESS
 from orchestrator.config import TandemConfig
 from orchestrator.models import hub_env
@@ -71,7 +71,6 @@ def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": slot.node_ip,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(slot.side_channel_port),
-        ENGINE_MARK: "1",
     }
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu.kvcache_space_gib)
