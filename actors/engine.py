@@ -23,8 +23,9 @@ import shutil
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from functools import partial, reduce
+from multiprocessing import resource_tracker
 from typing import Any, TypeVar
 
 import msgspec
@@ -203,6 +204,43 @@ def _has_text(out: Any) -> bool:
     return any(c.text for c in out.outputs)
 
 
+def one_process_engine_config(args: Any) -> Any:
+    """vLLM's config for `args`, a one-rank CPU engine running its model in the engine core.
+
+    vLLM's CPU backend turns the one-process executor ("uni") into its multiprocessing one,
+    because only a process started under the OpenMP environment is bound to its cores. That
+    costs a third process per engine: another import of torch and vLLM at every start, a
+    shared-memory queue and a hop between scheduler and forward pass at every step. Tandem
+    starts the engine core itself under that environment (`omp_environment`), so the engine
+    core can be the worker.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    if current_platform.is_cpu() and args.tensor_parallel_size == 1 and args.distributed_executor_backend is None:
+        # The class, not "uni": the CPU platform rewrites only the name.
+        args.distributed_executor_backend = UniProcExecutor
+    return args.create_engine_config()
+
+
+@contextlib.contextmanager
+def omp_environment(vcfg: Any) -> Iterator[None]:
+    """vLLM's OpenMP binding of rank 0 in this process's environment while vLLM spawns the
+    engine core, which inherits it; a no-op off CPU and for the multiprocessing executor
+    (that sets it for each worker itself)."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    if vcfg.parallel_config.distributed_executor_backend is not UniProcExecutor:
+        yield
+        return
+    # Spawning the engine core would start multiprocessing's resource tracker, which then
+    # loaded OpenMP (vLLM preloads it) under the binding and sat on the compute cores.
+    resource_tracker.ensure_running()
+    with OMPProcessManager(vcfg).configure_omp_envs(rank=0, local_rank=0):
+        yield
+
+
 @ray.remote
 class EngineActor:
     """A vLLM engine: requests and their outputs on the token path (actors.stream); abort,
@@ -266,7 +304,11 @@ class EngineActor:
         pin_process(os.getpid(), spec.cores if spec.cores is not None else node_cores())
         observe = partial(_observe_connector_stats, slow_s=spec.slow_transfer_s)
         factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
-        self.llm: Any = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        vcfg = one_process_engine_config(args)
+        with omp_environment(vcfg):
+            self.llm: Any = AsyncLLM.from_vllm_config(
+                vcfg, stat_loggers=[factory], enable_log_requests=args.enable_log_requests,
+                disable_log_stats=args.disable_log_stats)
         vcfg = self.llm.vllm_config
         hash_algo, hash_seed = hash_settings(spec.engine_args)
         # Routers send requests and read outputs over this socket (actors.stream), not Ray calls.

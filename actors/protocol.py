@@ -64,8 +64,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     incarnation: str
     node_id: str
     node_ip: str
-    # The actor process that holds the engine; vLLM's engine-core and worker processes are
-    # its children (Ray reaps them when it dies).
+    # The actor process that holds the engine; vLLM's engine core (and its workers, for
+    # tensor parallelism) are its children (Ray reaps them when it dies).
     pid: int
     child_pids: list[int]
     max_model_len: int

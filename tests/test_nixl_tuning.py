@@ -43,6 +43,8 @@ from actors.affinity import node_cores
 from orchestrator.placement import EngineSlot, binding_cores, engine_cores, omp_binding
 
 PD = {"prefill": {}, "decode": {}}
+# The process that runs a one-rank CPU engine's forward pass: vLLM's engine core itself.
+COMPUTE = "VLLM::EngineCore"
 
 
 def pd_connector(kv: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -261,6 +263,48 @@ def _telemetry(seconds: float, nbytes: int) -> SimpleNamespace:
     return SimpleNamespace(xferDuration=seconds * 1e6, postDuration=10.0, totalBytes=nbytes, descCount=4)
 
 
+def test_a_one_rank_cpu_engine_computes_in_its_engine_core_and_tp_keeps_vllms_workers(tiny_model: Any) -> None:
+    """vLLM's CPU platform rewrites the one-process executor's name into "mp"; asked for by
+    class it stays, for one rank only. An executor the user chose is left alone."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from actors.engine import one_process_engine_config
+
+    def backend(**kw: Any) -> Any:
+        return one_process_engine_config(AsyncEngineArgs(model=str(tiny_model), **kw)).parallel_config.distributed_executor_backend
+
+    assert backend() is UniProcExecutor
+    assert backend(tensor_parallel_size=2) == "mp"
+    assert backend(distributed_executor_backend="mp") == "mp"
+
+
+def test_the_engine_core_is_started_under_vllms_openmp_binding_of_rank_0(
+        tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment vLLM's executor gives a worker is there while the engine core starts,
+    and gone after it; an engine with vLLM's workers leaves it to vLLM."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from actors.engine import omp_environment, one_process_engine_config
+
+    binding = ("GOMP_CPU_AFFINITY", "OMP_PLACES")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    # vLLM's CPU platform preloads torch's libgomp (then binds with GOMP_CPU_AFFINITY), else OMP_PLACES.
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    for name in binding:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    one = one_process_engine_config(AsyncEngineArgs(model=str(tiny_model)))
+    with omp_environment(one):
+        inside = {k: os.environ.get(k) for k in (*binding, "OMP_NUM_THREADS")}
+    assert inside in ({"GOMP_CPU_AFFINITY": "1", "OMP_PLACES": None, "OMP_NUM_THREADS": "1"},
+                      {"GOMP_CPU_AFFINITY": None, "OMP_PLACES": "{1}", "OMP_NUM_THREADS": "1"})
+    assert not any(name in os.environ for name in binding) and os.environ["OMP_NUM_THREADS"] == "8"
+    workers = one_process_engine_config(AsyncEngineArgs(model=str(tiny_model), distributed_executor_backend="mp"))
+    with omp_environment(workers):
+        assert not any(name in os.environ for name in binding) and os.environ["OMP_NUM_THREADS"] == "8"
+
+
 def test_stats_keep_request_ids_aligned_with_transfers() -> None:
     stats = TandemNixlStats()
     stats.polling_request = "r1"
@@ -471,7 +515,7 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
         assert affinity == expected, f"{name} runs on cores {affinity}, not {expected}"
     for eid, info in infos.items():
         assert not misplaced(before[eid], set(info.cores or []), omp[eid]), f"{eid} keeps its own placement"
-    assert {frozenset(affinity) for name, affinity, _ in unbound_threads if name != "VLLM::Worker"} == {frozenset(node)}
+    assert {frozenset(affinity) for name, affinity, _ in unbound_threads if name != COMPUTE} == {frozenset(node)}
     assert (back.cores, back.cpu_binding) == (infos["decode-0"].cores, infos["decode-0"].cpu_binding), "the same placement"
     assert not misplaced(restarted_threads, set(back.cores or []), omp["decode-0"]), f"restarted decode-0: {restarted_threads}"
     assert after and all(affinity == node for _, affinity in after), f"not back on {node}: {[t for t in after if t[1] != node]}"
@@ -480,11 +524,12 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
 def check_prewarmed_and_placed(moved: Any, infos: dict[str, EngineInfo],
                                threads: dict[str, list[tuple[str, set[int], int]]]) -> None:
     """`moved`, the decode engine's transfers when the deployment reported ready: the pre-warm
-    request's pull alone. `threads` of each engine: the worker's (the forward pass's) on the
-    engine's compute cores only (vLLM's NIXL worker moves its compute thread to the host's last
-    core, which is another engine's, and TandemNixlConnector moves it back), the others on the
-    engine's other cores; all at Tandem's worker niceness, not Ray's default 15
-    (orchestrator/cluster.py says why)."""
+    request's pull alone. `threads` of each engine: the actor's and vLLM's engine core's, no
+    worker process (the engine core runs the forward pass itself, actors/engine.py); the
+    engine core's on the engine's compute cores only (vLLM's NIXL worker moves its compute
+    thread to the host's last core, which is another engine's, and TandemNixlConnector moves
+    it back), the actor's on the engine's other cores; all at Tandem's worker niceness, not
+    Ray's default 15 (orchestrator/cluster.py says why)."""
     assert moved.num_transfers == 1, "exactly the pre-warm request's pull"
     assert moved.bytes > 0 and moved.num_failed == 0
     compute = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
@@ -496,22 +541,23 @@ def check_prewarmed_and_placed(moved: Any, infos: dict[str, EngineInfo],
     else:
         assert compute["decode-0"] < set(infos["decode-0"].cores or []), "a core left out of OpenMP"
     for eid, info in infos.items():
-        assert len({name for name, _, _ in threads[eid]}) >= 3, "actor, engine core and worker"
+        names = {name for name, _, _ in threads[eid]}
+        assert COMPUTE in names and not any(n.startswith("VLLM::Worker") for n in names), f"{eid}: one engine process, {names}"
         assert info.niceness == WORKER_NICENESS, "the embedded Ray starts its workers at Tandem's niceness"
         for name, affinity, nice in threads[eid]:
             others = set(info.cores or [])
-            # A worker beside its engine's other threads may also have threads started before
-            # OpenMP bound it; one whose engine moved them elsewhere stays on its own cores.
-            allowed = compute[eid] if name == "VLLM::Worker" and not compute[eid] <= others else others
+            # An engine core beside its actor's threads may also have threads started before
+            # OpenMP bound it; one whose actor runs elsewhere stays on its own cores.
+            allowed = compute[eid] if name == COMPUTE and not compute[eid] <= others else others
             assert affinity <= allowed, f"{eid}: a thread of {name} runs on cores {affinity}, not within {allowed}"
             assert nice == WORKER_NICENESS, f"{eid}: a thread of {name} runs at niceness {nice}"
 
 
 def misplaced(threads: list[tuple[str, set[int], int]], cores: set[int], omp: set[int]) -> list[tuple[str, set[int]]]:
-    """The threads of an engine off its placement: its worker's on its OpenMP cores when
-    those lie outside its other threads' `cores` (vLLM moves them all), the rest on `cores`."""
+    """The threads of an engine off its placement: its engine core's on its OpenMP cores when
+    those lie outside its actor's `cores` (OpenMP binds them all), the rest on `cores`."""
     return [(name, affinity) for name, affinity, _ in threads
-            if not affinity <= (omp if name == "VLLM::Worker" and not omp <= cores else cores)]
+            if not affinity <= (omp if name == COMPUTE and not omp <= cores else cores)]
 
 
 def restarted(deployment: Any, replica_id: str) -> Any:
