@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterator
 from functools import partial, reduce
 from multiprocessing import resource_tracker
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import psutil
@@ -50,6 +50,10 @@ from actors.protocol import (
     merge_deltas,
     parse_stats,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 logger = logging.getLogger("tandem.engine")
 T = TypeVar("T")
@@ -204,8 +208,8 @@ def _has_text(out: Any) -> bool:
     return any(c.text for c in out.outputs)
 
 
-def one_process_engine_config(args: Any) -> Any:
-    """vLLM's config for `args`, a one-rank CPU engine running its model in the engine core.
+def one_process_engine_config(args: AsyncEngineArgs) -> VllmConfig:
+    """vLLM's config for `args`; a one-rank CPU engine runs its model in the engine core.
 
     vLLM's CPU backend turns the one-process executor ("uni") into its multiprocessing one,
     because only a process started under the OpenMP environment is bound to its cores. That
@@ -217,14 +221,15 @@ def one_process_engine_config(args: Any) -> Any:
     from vllm.platforms import current_platform
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    if current_platform.is_cpu() and args.tensor_parallel_size == 1 and args.distributed_executor_backend is None:
+    one_rank = args.tensor_parallel_size == args.pipeline_parallel_size == args.data_parallel_size == 1
+    if current_platform.is_cpu() and one_rank and args.distributed_executor_backend is None:
         # The class, not "uni": the CPU platform rewrites only the name.
         args.distributed_executor_backend = UniProcExecutor
     return args.create_engine_config()
 
 
 @contextlib.contextmanager
-def omp_environment(vcfg: Any) -> Iterator[None]:
+def omp_environment(vcfg: VllmConfig) -> Iterator[None]:
     """vLLM's OpenMP binding of rank 0 in this process's environment while vLLM spawns the
     engine core, which inherits it; a no-op off CPU and for the multiprocessing executor
     (that sets it for each worker itself)."""
