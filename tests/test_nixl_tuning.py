@@ -183,6 +183,19 @@ def test_ucx_env_reaches_disaggregated_engines_only() -> None:
     assert engine_env(pd, _slot())["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
+def test_disaggregated_gpu_engines_read_other_gpus_blocks_over_cuda_ipc_unless_told_otherwise() -> None:
+    """UCX allows cuda_ipc reads only where it sees NVLinks; without them a NIXL READ of GPU
+    memory falls back to TCP (docs/performance.md), so GPU engines turn them on, and an
+    operator's own ucx_env still decides."""
+    gpu = {"device": "cuda", "cpu_tier": {"enabled": False}}
+    pd = parse_config({**PD, **gpu})
+    assert engine_env(pd, _slot(cpu_binding=None))["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    told = parse_config({**PD, **gpu, "kv_transfer": {"nixl": {"ucx_env": {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}}}})
+    assert engine_env(told, _slot(cpu_binding=None))["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in engine_env(parse_config(PD), _slot())
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in engine_env(parse_config({"colocated": {}, **gpu}), _slot(cpu_binding=None))
+
+
 def test_only_a_builtin_model_keeps_engines_off_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     """The generated tiny model is on disk; a hub id must stay downloadable (no forced offline)."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
