@@ -20,6 +20,12 @@ SyncMode = Literal["none", "strict", "rw"]
 # How long a UCX progress thread sleeps between polls: transfers still complete in
 # microseconds while the thread costs a few percent of a core instead of all of it.
 PROGRESS_DELAY_US = 200
+# The environment of every process whose agent reads GPU memory (disaggregated GPU engines,
+# benchmarks.nixl_micro's GPU paths). UCX turns off reads over cuda_ipc unless NVML reports
+# NVLinks, and a NIXL READ of another process's GPU blocks then runs as a software read over
+# TCP: 583 ms instead of 46-64 ms for a 2k-token 8B prompt on one H200 (docs/performance.md,
+# "The KV transfer on an H200"). Where NVLinks are seen, UCX allows the reads already.
+GPU_UCX_ENV: dict[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def agent_config_kwargs(

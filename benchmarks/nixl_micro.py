@@ -21,7 +21,9 @@ The timing loop polls both agents instead (the target's UCX worker must progress
 (The second form runs the file alone, so a GPU node needs only nixl, msgspec, numpy and a CUDA
 build of torch, not the rest of Tandem's bench.) `--processes 2` puts the target agent in a
 process of its own, as a prefill engine is to the decode engine pulling from it: transports
-such as CUDA IPC and CMA only work between processes.
+such as CUDA IPC and CMA only work between processes. A run with a GPU pool sets UCX's
+variables as disaggregated GPU engines get them (`actors.nixl_agent.GPU_UCX_ENV`), unless
+the environment already names them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +44,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from actors.nixl_agent import make_nixl_agent
+from actors.nixl_agent import GPU_UCX_ENV, make_nixl_agent
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -315,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
         paths = parse_paths(args.paths)
     except ValueError as e:
         parser.error(f"--paths: {e}")
+    if any(m.kind == "VRAM" for pair in paths for m in pair):
+        for name, value in GPU_UCX_ENV.items():  # before UCX starts, here and in a target process
+            os.environ.setdefault(name, value)
     geometry = KVGeometry.from_model(args.model, args.block_size)
     sizes = standard_sizes(geometry, args.prompt_tokens, int(args.batch_mib * 2**20))
     results = [r for reader, target in paths for r in run_micro(geometry, sizes, args.iterations, reader_memory=reader, target_memory=target, processes=args.processes)]

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from actors.engine import EngineSpec
+from actors.nixl_agent import GPU_UCX_ENV
 from actors.kv_store import TierSettings
 from actors.protocol import EngineInfo, Role
 from connectors.config import TANDEM_CONNECTORS
@@ -18,13 +19,6 @@ from orchestrator.models import hub_env
 from orchestrator.placement import EngineSlot
 
 KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
-
-# UCX's defaults for disaggregated GPU engines, under `kv_transfer.nixl.ucx_env` (which wins).
-# UCX turns off remote reads over cuda_ipc unless NVML reports NVLinks, and a decode engine's
-# NIXL READ of a prefill engine's GPU blocks then runs as a software read over TCP: 583 ms
-# instead of 46-64 ms for a 2k-token 8B prompt on one H200 (docs/performance.md, "The KV
-# transfer on an H200"). Where NVLinks are seen, UCX allows the reads already.
-GPU_UCX_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def kv_transfer_for(cfg: TandemConfig, role: Role, tier: TierSettings | None = None) -> dict[str, Any] | None:
@@ -85,7 +79,7 @@ def engine_env(cfg: TandemConfig, slot: EngineSlot) -> dict[str, str]:
             env["VLLM_CPU_OMP_THREADS_BIND"] = slot.cpu_binding
     env.update(hub_env(cfg.model.source))
     if cfg.disaggregated:
-        if cfg.device == "cuda":
+        if cfg.device == "cuda":  # under the operator's ucx_env, which wins
             env.update(GPU_UCX_ENV)
         env.update(cfg.kv_transfer.nixl.ucx_env)
     return env

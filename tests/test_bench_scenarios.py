@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import msgspec
 import psutil
@@ -15,7 +18,9 @@ from benchmarks.bench import add_arguments, options_from_args, scenario_names
 from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
 from benchmarks.report import overhead_table, phase_table, routing_table, transfer_table, vllm_comparison
 from benchmarks.loadgen import HostCpu, RunConfig, RunResult, environment
+from actors.nixl_agent import GPU_UCX_ENV
 from benchmarks.nixl_micro import KVGeometry, Memory, markdown, parse_paths, run_micro, standard_sizes
+from benchmarks.nixl_micro import main as micro_main
 from benchmarks.phases import (
     CACHE_HIT_TOKENS,
     COMPUTED_TOKENS,
@@ -217,6 +222,25 @@ def test_micro_on_a_gpu_path_without_a_gpu_says_what_to_do() -> None:
     g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
     with pytest.raises(SystemExit, match="VRAM0: this host's torch sees 0 GPU"):
         run_micro(g, [("1 block", 1)], iterations=1, reader_memory=Memory("VRAM", 0))
+
+
+def test_micro_measures_gpu_paths_with_the_ucx_settings_serving_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU run asks UCX for cuda_ipc reads, as disaggregated GPU engines do (else it times a
+    TCP fallback serving never takes); a value already in the environment stays; a host-memory
+    run sets nothing."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 64}))
+    (name, value), = GPU_UCX_ENV.items()
+    monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match="VRAM0: this host's torch sees 0 GPU"):
+        micro_main(["--model", str(tmp_path), "--paths", "VRAM0:DRAM", "--iterations", "1"])
+    assert os.environ[name] == value
+    monkeypatch.setenv(name, "n")
+    with pytest.raises(SystemExit):
+        micro_main(["--model", str(tmp_path), "--paths", "DRAM:VRAM0", "--iterations", "1"])
+    assert os.environ[name] == "n"
+    monkeypatch.delenv(name)
+    micro_main(["--model", str(tmp_path), "--paths", "DRAM:DRAM", "--iterations", "1", "--batch-mib", "0.01"])
+    assert name not in os.environ
 
 
 # ---- phase arithmetic ----------------------------------------------------------------
