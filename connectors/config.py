@@ -23,6 +23,10 @@ TANDEM_CONNECTORS: dict[str, str] = {
     "TandemNixlConnector": "connectors.nixl",
 }
 
+# UCX worker threads of a GPU engine's NIXL agent unless `kv_transfer.nixl.num_threads` says
+# otherwise: vLLM's own default.
+GPU_NUM_THREADS = 4
+
 
 class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     """How TandemNixlConnector builds each engine's NIXL agent (see docs/performance.md)."""
@@ -33,7 +37,10 @@ class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     progress_thread: bool = False
     # Dedicated UCX worker threads per engine (vLLM's default: 4). Each busy-polls while a
     # transfer of >= 1024 descriptors is in flight; 0 runs transfers on the engine thread.
-    num_threads: Annotated[int, Meta(ge=0)] = 0
+    # Unset: GPU_NUM_THREADS on GPU engines, whose hosts have cores to spare and whose reads
+    # of 2k-token prompts took a half to a third of the time with four (docs/performance.md),
+    # 0 on CPU hosts, where each would take a core the forward passes need.
+    num_threads: Annotated[int, Meta(ge=0)] | None = None
     # How the agent serialises calls from vLLM's threads (its handshake thread adds peers
     # while the engine thread polls): "strict" one lock around every agent call, "rw" a
     # reader-writer lock plus a thread-safe UCX worker.
@@ -41,3 +48,10 @@ class NixlConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Extra environment for engine processes, for UCX (UCX_TLS, UCX_NET_DEVICES, ...).
     # Empty lets UCX choose: shared memory / CMA within a host, TCP or RDMA across hosts.
     ucx_env: dict[str, str] = {}
+
+    def worker_threads(self, on_gpu: bool) -> int:
+        """The UCX worker threads of an engine's agent: `num_threads`, else the default for
+        where its KV cache lives."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return GPU_NUM_THREADS if on_gpu else 0

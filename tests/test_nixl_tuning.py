@@ -34,7 +34,7 @@ from connectors.nixl import (
 )
 from actors.nixl_agent import agent_config_kwargs, make_nixl_agent
 from orchestrator.cluster import WORKER_NICENESS
-from connectors.config import NixlConfig
+from connectors.config import GPU_NUM_THREADS, NixlConfig
 from orchestrator.config import ConfigError, parse_config
 from benchmarks.scenarios import vllm_server_env
 from orchestrator.specs import engine_env, kv_transfer_for, niceness_warning
@@ -124,6 +124,16 @@ def test_the_stores_progress_thread_wakes_rarely_while_idle() -> None:
     woke = max(end[tid] - n for tid, n in start.items())
     assert woke < 5 * 1_000_000 / STORE_PROGRESS_DELAY_US, f"a progress thread woke {woke} times in 1 s while idle"
     del store_like
+
+
+def test_gpu_engines_get_vllms_ucx_threads_and_cpu_engines_none_unless_configured() -> None:
+    """Worker threads busy-poll during large transfers: a CPU host's cores belong to the forward
+    passes, a GPU host has them to spare (reads 2-3x faster with four, docs/performance.md)."""
+    assert NixlConfig().worker_threads(on_gpu=True) == GPU_NUM_THREADS == 4
+    assert NixlConfig().worker_threads(on_gpu=False) == 0
+    assert NixlConfig(num_threads=0).worker_threads(on_gpu=True) == 0
+    assert NixlConfig(num_threads=2).worker_threads(on_gpu=False) == 2
+    assert parse_config({**PD, "kv_transfer": {"nixl": {"num_threads": 0}}}).kv_transfer.nixl.num_threads == 0
 
 
 def test_settings_come_from_the_extra_config_key_or_default() -> None:
