@@ -23,7 +23,8 @@ build of torch, not the rest of Tandem's bench.) `--processes 2` puts the target
 process of its own, as a prefill engine is to the decode engine pulling from it: transports
 such as CUDA IPC and CMA only work between processes. A run with a GPU pool sets UCX's
 variables as disaggregated GPU engines get them (`actors.nixl_agent.GPU_UCX_ENV`), unless
-the environment already names them.
+the environment already names them, and gives each agent the UCX worker threads a GPU engine's
+agent has (`--num-threads` to choose).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import msgspec
 import numpy as np
 
 from actors.nixl_agent import GPU_UCX_ENV, make_nixl_agent
+from connectors.config import GPU_NUM_THREADS, NixlConfig
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -137,7 +139,7 @@ class MicroResult(msgspec.Struct, frozen=True):
 class _Agent:
     """A NIXL agent owning one registered pool, in host memory or on a GPU."""
 
-    def __init__(self, pool_bytes: int, memory: Memory) -> None:
+    def __init__(self, pool_bytes: int, memory: Memory, threads: int = 0) -> None:
         self.memory = memory
         self.pool: Any
         if memory.kind == "DRAM":
@@ -146,9 +148,9 @@ class _Agent:
         else:
             self.pool = _gpu_pool(pool_bytes, memory.device)
             self.base = self.pool.data_ptr()
-        # Tandem's one agent builder, as the tier's worker makes its agent (one thread, no
-        # progress thread): what is measured is the agent serving uses.
-        self.agent = make_nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", progress_thread=False)
+        # Tandem's one agent builder, as engines make theirs (no progress thread; `threads` UCX
+        # worker threads): what is measured is the agent serving uses.
+        self.agent = make_nixl_agent(f"tandem-micro-{uuid.uuid4().hex[:8]}", progress_thread=False, num_threads=threads)
         self.reg = self.agent.register_memory([(self.base, pool_bytes, memory.device, "")], memory.kind)
 
     def descs(self, base: int, memory: Memory, chunk_bytes: int, num_chunks: int) -> object:
@@ -171,11 +173,11 @@ def _gpu_pool(pool_bytes: int, device: int) -> Any:
     return torch.ones(pool_bytes, dtype=torch.uint8, device=f"cuda:{device}")
 
 
-def _serve_pool(conn: Connection, pool_bytes: int, memory: Memory) -> None:
+def _serve_pool(conn: Connection, pool_bytes: int, memory: Memory, threads: int) -> None:
     """The target in a process of its own, as a prefill engine is to the decode engine pulling
     from it: send the agent's metadata and pool address, then keep its worker progressing
     until told to stop."""
-    target = _Agent(pool_bytes, memory)
+    target = _Agent(pool_bytes, memory, threads)
     try:
         conn.send((target.agent.get_agent_metadata(), target.base))
         while not conn.poll(0):
@@ -195,11 +197,11 @@ class _Target(msgspec.Struct, frozen=True):
 
 
 @contextmanager
-def _target(pool_bytes: int, memory: Memory, reader: _Agent, processes: int) -> Iterator[_Target]:
+def _target(pool_bytes: int, memory: Memory, reader: _Agent, processes: int, threads: int) -> Iterator[_Target]:
     """The target agent, in the reader's process or (processes=2) a spawned one, added to the
     reader's peers."""
     if processes == 1:
-        agent = _Agent(pool_bytes, memory)
+        agent = _Agent(pool_bytes, memory, threads)
         try:
             name = reader.agent.add_remote_agent(agent.agent.get_agent_metadata())
             yield _Target(name, agent.base, memory, agent.agent.get_new_notifs)
@@ -209,7 +211,7 @@ def _target(pool_bytes: int, memory: Memory, reader: _Agent, processes: int) -> 
         return
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_serve_pool, args=(there, pool_bytes, memory), daemon=True)
+    proc = ctx.Process(target=_serve_pool, args=(there, pool_bytes, memory, threads), daemon=True)
     proc.start()
     try:
         deadline = time.monotonic() + 120
@@ -253,19 +255,21 @@ def _time_reads(reader: _Agent, target: _Target, chunk_bytes: int, num_chunks: i
 
 def run_micro(
     geometry: KVGeometry, block_counts: Sequence[tuple[str, int]], iterations: int = 50, warmup: int = 5,
-    reader_memory: Memory = Memory(), target_memory: Memory = Memory(), processes: int = 1,
+    reader_memory: Memory = Memory(), target_memory: Memory = Memory(), processes: int = 1, threads: int = 0,
 ) -> list[MicroResult]:
-    """Time READs of each (label, number of blocks) between two fresh agents, the reader's pool
-    in `reader_memory` pulling from the target's in `target_memory`; the target in the
-    reader's process, or (processes=2) in one of its own, as engines are."""
+    """Time READs of each (label, number of blocks) between two fresh agents with `threads` UCX
+    worker threads each, the reader's pool in `reader_memory` pulling from the target's in
+    `target_memory`; the target in the reader's process, or (processes=2) in one of its own,
+    as engines are."""
     if processes not in (1, 2):
         raise ValueError(f"processes={processes}: 1 (both agents in this process) or 2 (the target in its own)")
     max_chunks = 2 * geometry.num_layers * max(n for _, n in block_counts)
     pool = max_chunks * geometry.chunk_bytes
-    reader = _Agent(pool, reader_memory)
+    reader = _Agent(pool, reader_memory, threads)
     path = f"{reader_memory} <- {target_memory}" + ("" if processes == 1 else ", two processes")
+    path += f", {threads} UCX threads" if threads else ""
     try:
-        with _target(pool, target_memory, reader, processes) as target:
+        with _target(pool, target_memory, reader, processes, threads) as target:
             results = []
             for label, n in block_counts:
                 num_chunks = 2 * geometry.num_layers * n
@@ -311,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paths", default="DRAM:DRAM", help="reader:target memory pairs, comma-separated: DRAM, VRAM<n> (default %(default)s)")
     parser.add_argument("--processes", type=int, choices=(1, 2), default=1,
                         help="2: the target agent in a process of its own, as a prefill engine is (default %(default)s)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="UCX worker threads per agent (default: as engines get them, "
+                             f"{GPU_NUM_THREADS} when a path names a GPU pool, else 0)")
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)
@@ -318,12 +325,17 @@ def main(argv: list[str] | None = None) -> None:
         paths = parse_paths(args.paths)
     except ValueError as e:
         parser.error(f"--paths: {e}")
-    if any(m.kind == "VRAM" for pair in paths for m in pair):
+    if args.num_threads is not None and args.num_threads < 0:
+        parser.error(f"--num-threads {args.num_threads}: write 0 or more")
+    on_gpu = any(m.kind == "VRAM" for pair in paths for m in pair)
+    if on_gpu:
         for name, value in GPU_UCX_ENV.items():  # before UCX starts, here and in a target process
             os.environ.setdefault(name, value)
+    threads = NixlConfig(num_threads=args.num_threads).worker_threads(on_gpu)
     geometry = KVGeometry.from_model(args.model, args.block_size)
     sizes = standard_sizes(geometry, args.prompt_tokens, int(args.batch_mib * 2**20))
-    results = [r for reader, target in paths for r in run_micro(geometry, sizes, args.iterations, reader_memory=reader, target_memory=target, processes=args.processes)]
+    results = [r for reader, target in paths for r in run_micro(geometry, sizes, args.iterations, reader_memory=reader, target_memory=target,
+                                                                          processes=args.processes, threads=threads)]
     print(markdown(results))
     if args.json:
         args.json.write_bytes(msgspec.json.encode({"geometry": geometry, "results": results}))

@@ -218,6 +218,13 @@ def test_micro_reads_from_a_target_agent_in_a_process_of_its_own() -> None:
         run_micro(g, [("1 block", 1)], processes=3)
 
 
+def test_micro_agents_run_the_ucx_worker_threads_they_are_given() -> None:
+    """As a GPU engine's agent has them (GPU_NUM_THREADS); the path names them."""
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
+    (result,) = run_micro(g, [("4 blocks", 4)], iterations=3, warmup=1, processes=2, threads=2)
+    assert result.path == "DRAM <- DRAM, two processes, 2 UCX threads" and 0 < result.median_s <= result.p90_s
+
+
 def test_micro_on_a_gpu_path_without_a_gpu_says_what_to_do() -> None:
     g = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=2, block_size=16)
     with pytest.raises(SystemExit, match="VRAM0: this host's torch sees 0 GPU"):
@@ -241,6 +248,8 @@ def test_micro_measures_gpu_paths_with_the_ucx_settings_serving_uses(tmp_path: P
     monkeypatch.delenv(name)
     micro_main(["--model", str(tmp_path), "--paths", "DRAM:DRAM", "--iterations", "1", "--batch-mib", "0.01"])
     assert name not in os.environ
+    with pytest.raises(SystemExit):
+        micro_main(["--model", str(tmp_path), "--num-threads", "-1"])
 
 
 # ---- phase arithmetic ----------------------------------------------------------------
