@@ -31,6 +31,7 @@ from ray.exceptions import RayError
 from actors.kv_events import PrefixHasher, as_key
 from actors.kv_index import TierChanges
 from actors.protocol import CacheUpdate
+from orchestrator.background import spawn
 from orchestrator.protocol import EngineRef
 
 logger = logging.getLogger("tandem.cache_view")
@@ -185,9 +186,9 @@ class CacheView:
         for eid, cache in self.caches.items():
             followed = self._tasks.get(eid)
             if followed is None or followed[0].done():
-                self._tasks[eid] = (asyncio.get_running_loop().create_task(self._follow(cache)), cache)
+                self._tasks[eid] = (spawn(self._follow(cache)), cache)
         if self.tier is not None and (self._tier_task is None or self._tier_task.done()):
-            self._tier_task = asyncio.get_running_loop().create_task(self._follow_tier(self.tier))
+            self._tier_task = spawn(self._follow_tier(self.tier))
 
     async def _follow(self, cache: EngineCache) -> None:
         while True:

@@ -58,6 +58,7 @@ from actors.kv_index import TIER_HINT
 from actors.protocol import EngineRequest, Role, merge_deltas
 from actors.stream import EngineStreams, RemoteError, StreamLost
 from connectors.config import PREFILLED_TOKENS
+from orchestrator.background import outlive
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, decide
@@ -143,11 +144,19 @@ async def stream_engine(
         raise EngineFailure(engine, "its stream ended before the request finished", engine_down=False)
     finally:
         if not finished and not engine_gone:
-            held = None
-            with contextlib.suppress(RayError, asyncio.TimeoutError):
-                held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id, req.kv_transfer_params), ABORT_TIMEOUT_S)
-            if held and on_held_kv is not None:
-                await on_held_kv(held)
+            # Outside the request: a client that leaves cancels it, and with it what it awaits.
+            await outlive(_abort(engine, req, on_held_kv))
+
+
+async def _abort(engine: EngineRef, req: EngineRequest,
+                 on_held_kv: Callable[[dict[str, Any]], Awaitable[None]] | None) -> None:
+    """Abort `req` on `engine`; blocks the abort hands back (a prefill that had finished)
+    go to `on_held_kv`."""
+    held = None
+    with contextlib.suppress(RayError, asyncio.TimeoutError):
+        held = await asyncio.wait_for(engine.handle.abort.remote(req.request_id, req.kv_transfer_params), ABORT_TIMEOUT_S)
+    if held and on_held_kv is not None:
+        await on_held_kv(held)
 
 
 class EnginePicker:
@@ -661,8 +670,7 @@ class Router:
         engine = self._output_pool().pick() if self.disaggregated else None
         if engine is None:
             return  # no decode engine: NIXL's lease frees the blocks
-        with contextlib.suppress(RayError, asyncio.TimeoutError):
-            await asyncio.wait_for(engine.handle.release_remote_kv.remote(request_id, kv_params), ABORT_TIMEOUT_S)
+        await outlive(_release(engine, request_id, kv_params))
 
     def _fall_back(self, trace: RequestTrace, reason: str) -> None:
         trace.fallback = reason
@@ -815,6 +823,11 @@ class Router:
                 work = self._claim(engine, prompt)
             finally:
                 picker.release(serving, serving_work)
+
+
+async def _release(engine: EngineRef, request_id: str, kv_params: dict[str, Any]) -> None:
+    with contextlib.suppress(RayError, asyncio.TimeoutError):
+        await asyncio.wait_for(engine.handle.release_remote_kv.remote(request_id, kv_params), ABORT_TIMEOUT_S)
 
 
 def _continuation(sampling: Any, num_generated: int) -> Any:

@@ -23,6 +23,7 @@ from ray import serve
 from ray.exceptions import RayError
 
 from actors.kv_index import index_actor_name
+from orchestrator.background import spawn
 from orchestrator.cache_view import CacheView
 from orchestrator.config import TandemConfig, parse_config
 from orchestrator.http_server import DirectHTTP
@@ -122,13 +123,19 @@ class OpenAIIngress:
 
     def _report_failure(self, failure: EngineFailure) -> None:
         e = failure.engine
-        self.manager.report_failure.remote(e.engine_id, e.incarnation, failure.cause, failure.engine_down)
+        spawn(self._send_report(e.engine_id, e.incarnation, failure.cause, failure.engine_down))
+
+    async def _send_report(self, engine_id: str, incarnation: str, cause: str, engine_down: bool) -> None:
+        try:
+            await self.manager.report_failure.remote(engine_id, incarnation, cause, engine_down)
+        except RayError as err:
+            logger.warning("could not tell the pool manager that engine %s failed (%s); its health checks will find it", engine_id, err)
 
     def _watch_routing(self) -> None:
         """Keep the router's engines in step with the manager's routing table (started with
         the first request: the replica's event loop runs by then)."""
         if self._watcher is None or self._watcher.done():
-            self._watcher = asyncio.get_running_loop().create_task(self._follow_table())
+            self._watcher = spawn(self._follow_table())
 
     async def _follow_table(self) -> None:
         while True:
