@@ -101,6 +101,12 @@ STARTED_MEMORY = 10_000
 # A router's cache_updates call that saw a change (or timed out) waits this long more, so
 # that the events of one busy stretch reach routers in a few calls rather than one per step.
 CACHE_UPDATE_COALESCE_S = 0.01
+# How long a CPU engine's vLLM engine core gets to exit on its own before it is killed
+# (vLLM's default is 5 s). Its useful cleanup (the connectors' shutdown, the NIXL handshake
+# thread) is over in under 2 s even on a slow 2-core host; what follows is a full garbage
+# collection of a heap it is about to drop, which took the rest of the 5 s on every stop
+# (docs/startup.md). GPU engines keep vLLM's own grace: a device's teardown may need it.
+CPU_ENGINE_STOP_GRACE_S = 2.0
 
 
 def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) -> None:
@@ -542,7 +548,9 @@ class EngineActor:
         """Stop vLLM's engine core processes before the actor itself is killed, and remove
         the sockets they leave."""
         if self.llm is not None:
-            self.llm.shutdown()
+            from vllm.platforms import current_platform
+
+            self.llm.shutdown(timeout=CPU_ENGINE_STOP_GRACE_S if current_platform.is_cpu() else None)
             self.llm = None
         self.kv_events.close()
         self.stream.close()
