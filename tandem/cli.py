@@ -13,7 +13,11 @@ def _serve(args: argparse.Namespace) -> int:
     from orchestrator.job import serve_until_stopped
 
     setup_logging()
-    serve_until_stopped(load_config(args.config), args.address)
+    try:
+        serve_until_stopped(load_config(args.config), args.address)
+    except KeyboardInterrupt:  # Ctrl-C before it was ready: what had started is stopped by now
+        print("tandem: start-up interrupted; everything it had started is stopped", file=sys.stderr)
+        return 130
     return 0
 
 
