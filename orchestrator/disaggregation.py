@@ -14,7 +14,12 @@ this request beyond the decode engine's part (its own queue, and the prompt toke
 that the decode engine holds): a chat whose history only the decode engine still caches
 (it prefilled the earlier turns) is not sent to compute that history again, while a prompt
 both hold alike is judged by the budget alone. When the prefill pool is saturated, waiting
-for it costs more than the stall. A request that asks for its prompt's logprobs (echo with
+for it costs more than the stall. When the prefill engine streams the first token
+(`routing.first_token: prefill`), a remote prefill's time to first token is its own queue and
+uncached part, with no KV move or decode step in it: then a request goes local only if the
+decode engine has no more to compute before its first token than the best prefill replica
+(ties stay local, sparing the KV move), so local prefills do not stack on the decode engine
+while a prefill replica would answer sooner. A request that asks for its prompt's logprobs (echo with
 logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
 in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
 Counted on /metrics by decision and reason.
@@ -30,12 +35,14 @@ Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
 # on the decode engine, for the requests it would hold up; remote_costlier: more, but the
 # prefill pool would have more still ahead of it; prefill_busy: every prefill replica is
-# saturated; long_uncached: worth a remote prefill; prompt_logprobs: the request needs its
-# prompt computed where its output streams.
-Reason = Literal["always", "never", "short_uncached", "remote_costlier", "prefill_busy", "long_uncached", "prompt_logprobs"]
+# saturated; long_uncached: worth a remote prefill; prefill_sooner: the prefill replica that
+# streams the first token would reach it with less to compute than the decode engine;
+# prompt_logprobs: the request needs its prompt computed where its output streams.
+Reason = Literal["always", "never", "short_uncached", "remote_costlier", "prefill_busy", "long_uncached",
+                 "prefill_sooner", "prompt_logprobs"]
 DECISIONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "short_uncached"), ("local", "remote_costlier"),
-    ("local", "prefill_busy"), ("remote", "long_uncached"), ("local", "prompt_logprobs"),
+    ("local", "prefill_busy"), ("remote", "long_uncached"), ("remote", "prefill_sooner"), ("local", "prompt_logprobs"),
 )
 
 
@@ -47,7 +54,8 @@ def decide(
     prefill_outstanding: list[int],
     *,
     decode_queued_tokens: float = 0.0,
-    prefill_ahead_tokens: float = 0.0,
+    prefill_ahead_tokens: float | None = None,
+    first_from_prefill: bool = False,
     prompt_logprobs: bool = False,
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
@@ -56,7 +64,8 @@ def decide(
     healthy, which the router handles as a fallback); `decode_queued_tokens`: prompt tokens
     of local prefills sent to the decode engine that it has not computed yet;
     `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
-    request's first token (its queue and this prompt's uncached part; 0: unknown)."""
+    request's first token (its queue and this prompt's uncached part; None: unknown);
+    `first_from_prefill`: a remote prefill would stream this request's first token."""
     if prompt_logprobs:
         return "local", "prompt_logprobs"
     if cfg.disaggregation == "always":
@@ -64,10 +73,12 @@ def decide(
     if cfg.disaggregation == "never":
         return "local", "never"
     to_compute = prompt_tokens - decode_cached_tokens + decode_queued_tokens
+    if first_from_prefill and prefill_ahead_tokens is not None and to_compute > prefill_ahead_tokens:
+        return "remote", "prefill_sooner"
     stall = to_compute * (1 + decode_outstanding)
     if stall <= cfg.local_prefill_max_tokens:
         return "local", "short_uncached"
-    if stall <= cfg.local_prefill_max_tokens + prefill_ahead_tokens - to_compute:
+    if prefill_ahead_tokens is not None and stall <= cfg.local_prefill_max_tokens + prefill_ahead_tokens - to_compute:
         return "local", "remote_costlier"
     if prefill_outstanding and min(prefill_outstanding) >= cfg.prefill_busy_requests:
         return "local", "prefill_busy"

@@ -465,7 +465,8 @@ class Router:
     ) -> tuple[Decision, float]:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted; with
         the prompt tokens `decode` would compute itself."""
-        cached = ahead = 0.0
+        cached = 0.0
+        ahead: float | None = None
         picker = self.pools["prefill"]
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
             tier = self.cache.tier_prefix(decode, prompt)
@@ -473,12 +474,13 @@ class Router:
             cached += self._tier_tokens(decode, tier, cached)
             n = len(prompt.token_ids)
             ahead = min((ahead_tokens(self._facts(e, picker, prompt, tier), n, self.routing) for e in picker.candidates()),
-                        default=0.0)
+                        default=None)
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
                                   decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
                                   prefill_ahead_tokens=ahead,
+                                  first_from_prefill=self.routing.first_token == "prefill" and _first_token_can_move(request.sampling),
                                   prompt_logprobs=request.sampling.prompt_logprobs is not None)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision

@@ -9,6 +9,7 @@ import asyncio
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,22 @@ def test_decider_modes_and_thresholds() -> None:
     assert decide(cond, 5000, 0, 0, [2, 0]) == ("remote", "long_uncached")
 
 
+def test_with_the_first_token_from_prefill_local_prefills_must_not_start_later_than_remote_ones() -> None:
+    """routing.first_token: prefill leaves the KV move out of a remote prefill's time to first
+    token, so a local prefill pays only when the decode engine would compute no more before
+    this request's first token than the best prefill replica."""
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=1000, prefill_busy_requests=2)
+    # 80 tokens on the decode engine (40 queued there) against 60 on a prefill replica: remote.
+    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, prefill_ahead_tokens=60, first_from_prefill=True) == ("remote", "prefill_sooner")
+    # The first token from the decode engine either way: the budget allows the local one.
+    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, prefill_ahead_tokens=60) == ("local", "short_uncached")
+    # As much on both sides: local, sparing the KV move; unknown: the budget alone.
+    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, prefill_ahead_tokens=80, first_from_prefill=True) == ("local", "short_uncached")
+    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, first_from_prefill=True) == ("local", "short_uncached")
+    # A saturated prefill pool that would still answer sooner gets the request.
+    assert decide(cond, 5000, 0, 0, [2, 3], prefill_ahead_tokens=4000, first_from_prefill=True) == ("remote", "prefill_sooner")
+
+
 def test_routing_config_names_the_bad_field() -> None:
     with pytest.raises(ConfigError, match="disaggregation"):
         parse_config({"routing": {"disaggregation": "sometimes"}})
@@ -395,12 +412,20 @@ class GatedEngine(CachingEngine):
             yield out
 
 
-def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> None:
+@pytest.mark.parametrize(("budget", "first_token", "second"), [
+    (100, "decode", "remote:long_uncached"),  # (40 queued + 40) x 2 requests held up > 100
+    (1000, "decode", "local:short_uncached"),  # within the budget: the KV move and decode leg are saved
+    (1000, "prefill", "remote:prefill_sooner"),  # 80 tokens before its first token there, 40 remotely
+])
+def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine(budget: int, first_token: str, second: str) -> None:
     """A burst of short remainders: while the first one's tokens are still to be computed on
     the decode engine, the next would wait behind them and hold up one more request, so it
-    goes remote; once the first has its first token, a short remainder is local again."""
+    goes remote unless the budget allows the stall and the remote path would also cost the
+    KV move before its first token; once the first has its first token, a short remainder is
+    local again."""
     prefill, decode = CachingEngine("p", [SYSTEM]), GatedEngine("d", [SYSTEM])
-    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=100)
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=budget,
+                        first_token=first_token)  # type: ignore[arg-type]
     router = Router([prefill.ref("prefill"), decode.ref("decode")], cfg)
     traces = [RequestTrace() for _ in range(3)]
 
@@ -413,9 +438,9 @@ def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> 
         assert router.cache is not None
         router.cache.sync()
         await asyncio.sleep(0.05)
-        first = asyncio.create_task(one(0))  # 40 x 1 request: local
+        first = asyncio.create_task(one(0))  # 40 x 1 request, as many as remotely: local
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(one(1))  # (40 queued + 40) x 2 requests > 100: remote
+        second = asyncio.create_task(one(1))
         await asyncio.sleep(0.05)
         decode.gate.set()
         await asyncio.gather(first, second)
@@ -423,7 +448,9 @@ def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine() -> 
         await router.close()
 
     asyncio.run(asyncio.wait_for(go(), timeout=10))
-    assert [t.disaggregation for t in traces] == ["local", "remote", "local"]
+    assert [t.disaggregation for t in traces] == ["local", second.split(":")[0], "local"]
+    made = {k: v for k, v in router.stats.decisions.items() if v}
+    assert made == dict(Counter(["local:short_uncached", second, "local:short_uncached"]))
     assert router._local_queued == {}
 
 
