@@ -120,7 +120,9 @@ def ray_head() -> Iterator[tuple[str, str, dict[str, str]]]:
     dash, gcs = free_port(), free_port()
     # The venv's bin first on PATH, as for a user who activated it: jobs run `python`.
     path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "PATH": path, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled"}
+    # No drain at the end: Serve's controller and proxy, which the job leaves to the cluster,
+    # would hold the head's SIGTERM for Ray's 30-s drain of a node being preempted.
+    env = {**os.environ, "PATH": path, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     ports = {
         "--port": gcs, "--dashboard-port": dash, "--dashboard-agent-listen-port": free_port(),
         "--dashboard-agent-grpc-port": free_port(), "--metrics-export-port": free_port(),
