@@ -178,7 +178,8 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # used), which that prefix's next request computes again. Without it a replica holding
     # only a shared system prompt drew every new chat and thrashed, while the others' caches
     # stayed empty; with it, prefixes spread once a cache is full, so the pool's caches hold
-    # together what one cannot.
+    # together what one cannot. An engine that saves to the CPU tier and loads from it counts
+    # kv_load_cost instead (when lower): the evicted prefix's next request loads it back.
     evict_cost: Annotated[float, Meta(ge=0)] = 1.0
     # kv_aware leaves out replicas whose KV cache is at least this full, unless all are.
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95

@@ -127,8 +127,10 @@ class Replica:
     # A router reported a failed call: check now instead of at the next period.
     suspect: str | None = None
     missed_checks: int = 0
-    # Whether the engine loads prefixes from the CPU tier (routers weigh tier hits by it).
+    # Whether the engine loads prefixes from / saves them to the CPU tier (routers weigh tier
+    # hits and evictions by them).
     loads_tier: bool = False
+    saves_tier: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -136,7 +138,7 @@ class Replica:
         assert self.info is not None
         i = self.info
         return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed,
-                         i.node_id, self.loads_tier, i.num_blocks, i.stream_address)
+                         i.node_id, self.loads_tier, i.num_blocks, i.stream_address, self.saves_tier)
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None
@@ -264,8 +266,9 @@ class PoolManager:
         return placement_group(bundles, strategy="STRICT_PACK", name=f"{self.app}-{engine_id}")
 
     def _replica(self, engine_id: str, role: Role, pg: PlacementGroup, slot: EngineSlot) -> Replica:
-        loads_tier = self.cfg.cpu_tier.enabled and role in self.cfg.tier_pools()[1]
-        return Replica(engine_id, role, pg, slot, loads_tier=loads_tier)
+        save_from, load_into = self.cfg.tier_pools()
+        on = self.cfg.cpu_tier.enabled
+        return Replica(engine_id, role, pg, slot, loads_tier=on and role in load_into, saves_tier=on and role in save_from)
 
     def _launch(self, r: Replica) -> None:
         """Create the replica's engine actor in its placement group and supervise it."""

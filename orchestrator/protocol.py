@@ -42,6 +42,9 @@ class EngineRef(msgspec.Struct, frozen=True):
     num_blocks: int = 0
     # Where the router sends requests and reads their outputs (EngineInfo.stream_address).
     stream_address: str = ""
+    # Whether the engine saves what it computes to the CPU tier (cpu_tier.save_from): a
+    # prefix it then evicts from its own cache can be loaded back rather than computed.
+    saves_tier: bool = False
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

@@ -450,6 +450,7 @@ class Router:
             seen.kv_cache_usage if seen else 0.0,
             picker.queued_tokens.get(engine.engine_id, 0.0) + (outstanding - mine) * len(prompt.token_ids),
             self.cache.evicted_tokens(engine, prompt, cached),
+            engine.saves_tier and engine.loads_tier,
         )
 
     async def _pick_output_engine(self, prompt: PromptKeys | None, exclude: set[str]) -> EngineRef | None:

@@ -47,6 +47,9 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # Prompt tokens of other prefixes the replica would evict from its full prefix cache to
     # store this prompt's new blocks (CacheView.evicted_tokens).
     evicted_tokens: float = 0.0
+    # Whether an evicted prefix comes back as a load: the replica saved it to the CPU tier
+    # and loads from it.
+    evictions_reload: bool = False
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -72,8 +75,10 @@ def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
 
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """1 / (1 + the tokens ahead of this request's first token, in prompts of its size), the
-    tokens its blocks would evict (and so someone computes again) counting `evict_cost`."""
-    ahead = ahead_tokens(f, n, cfg) + cfg.evict_cost * f.evicted_tokens
+    tokens its blocks would evict (and so someone computes again) counting `evict_cost`, or
+    `kv_load_cost` where the CPU tier keeps them (someone loads them again)."""
+    evict = min(cfg.evict_cost, cfg.kv_load_cost) if f.evictions_reload else cfg.evict_cost
+    ahead = ahead_tokens(f, n, cfg) + evict * f.evicted_tokens
     return 1.0 / (1.0 + ahead / max(n, 1))
 
 

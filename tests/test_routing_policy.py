@@ -176,6 +176,25 @@ def test_work_counts_what_a_full_cache_would_evict() -> None:
     assert choose([facts("full", cached=256, evicted=344), facts("room")], 600, free_evictions).engine_id == "full"
 
 
+def test_an_eviction_the_cpu_tier_keeps_costs_a_load_and_does_not_pile_a_burst_on_one_replica() -> None:
+    """Two new chats at once, both caches full (2026-11-28, routing run 40): the second should
+    not queue behind the first to spare the idle replica an eviction the tier would undo."""
+    cfg = RoutingConfig(policy="kv_aware")
+
+    def pick(reload: bool) -> str:
+        busy = msgspec.structs.replace(facts("busy", 1, cached=256, queued=82, evicted=96), evictions_reload=reload)
+        idle = msgspec.structs.replace(facts("idle", tier=256, evicted=352), evictions_reload=reload)
+        return choose([busy, idle], 338, cfg).engine_id
+
+    # Tokens ahead, counted: busy 82 queued + 82 new + 96 evicted = 260; idle 82 new + 25.6 for
+    # the 256 it loads + 352 evicted = 459.6.
+    assert pick(reload=False) == "busy"
+    assert pick(reload=True) == "idle"  # the evictions at kv_load_cost 0.1: 173.6 against 142.8
+    # Never dearer than evict_cost: 0 stays 0.
+    free = msgspec.structs.replace(facts("f", evicted=100), evictions_reload=True)
+    assert choose([free, facts("g", queued=5)], 100, RoutingConfig(policy="kv_aware", evict_cost=0.0)).engine_id == "f"
+
+
 def test_work_weighs_what_a_cache_saves_against_the_queue_ahead() -> None:
     cfg = RoutingConfig(policy="kv_aware")  # default weights: work alone
     # The holder of 90% of the prompt computes 100 tokens; the idle engine 1000.
