@@ -462,10 +462,11 @@ class Router:
         return engine
 
     async def _decide(
-        self, request: EngineRequest, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace
+        self, request: EngineRequest, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace, forward: bool
     ) -> tuple[Decision, float]:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted; with
-        the prompt tokens `decode` would compute itself."""
+        the prompt tokens `decode` would compute itself. `forward`: a remote prefill's token
+        would be the client's first (routing.first_token)."""
         cached = 0.0
         ahead: float | None = None
         picker = self.pools["prefill"]
@@ -481,7 +482,7 @@ class Router:
         decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
                                   decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
                                   prefill_ahead_tokens=ahead,
-                                  first_from_prefill=self.routing.first_token == "prefill" and _first_token_can_move(request.sampling),
+                                  first_from_prefill=forward,
                                   prompt_logprobs=request.sampling.prompt_logprobs is not None)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
@@ -535,14 +536,14 @@ class Router:
                     first = await self._pick(self._output_pool(), prompt)
                 decision: Decision = "remote"
                 uncached = 0.0
+                forward = (prefill_engine is None and self.routing.first_token == "prefill"
+                           and _first_token_can_move(request.sampling))
                 if first is not None and prefill_engine is None:
-                    decision, uncached = await self._decide(request, prompt, first, trace)
+                    decision, uncached = await self._decide(request, prompt, first, trace, forward)
                 if first is None:
                     self._fall_back(trace, "no_decode_engine")
                 elif decision == "remote":
                     phase = "prefill"
-                    forward = (prefill_engine is None and self.routing.first_token == "prefill"
-                               and _first_token_can_move(request.sampling))
                     last = await self._prefill(request, trace, prefill_engine, prompt, forward)
                     kv_params = last.kv_transfer_params if last is not None else None
                     answer = last if forward else None
