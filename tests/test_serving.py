@@ -326,12 +326,16 @@ def test_streamed_tokens_may_leave_in_batches_but_unchanged(reference: EngineRef
     prompt, n, batch_s = random_prompt(random.Random(5), 40), 64, 0.2
     chunks, elapsed = stream_batched(reference, prompt, n, batch_s)
     assert [t for c in chunks for t in c.outputs[0].token_ids] == reference_tokens(reference, prompt, n)
-    assert len(chunks[0].outputs[0].token_ids) == 1, "the first token must not wait for a batch"
+    # The first token must not wait for a batch. It may still share its chunk with the next
+    # one: vLLM merges the outputs a late reader has not taken yet (on a busy host the engine
+    # actor's loop can run after two steps), so the exact rule is tested on a synthetic stream
+    # (test_stream_batching); here the first chunk only has to be smaller than a batch.
+    sizes = [len(c.outputs[0].token_ids) for c in chunks]
+    assert sizes[0] < max(sizes), f"the first chunk waited for a batch: {sizes}"
     # Chunks leave as they come until one shows text (the first token may be part of a
     # character); after it, each chunk but the last leaves at least batch_s after the one before.
     shown = next(i for i, c in enumerate(chunks) if c.outputs[0].text)
     assert len(chunks) - shown <= 2 + elapsed / batch_s, f"{len(chunks)} chunks in {elapsed:.2f} s"
-    assert max(len(c.outputs[0].token_ids) for c in chunks) > 1
 
 
 def test_last_tokens_leave_when_decoded_not_at_the_next_batch_tick(reference: EngineRef) -> None:
