@@ -108,6 +108,28 @@ def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
             proc.kill()
 
 
+def test_ctrl_c_while_the_engines_start_stops_everything_it_had_started(tmp_path: Path) -> None:
+    """Ctrl-C before `tandem serve` is ready (on a cluster a start takes minutes): one line
+    says start-up was interrupted, no traceback, exit code 130, and nothing it started (Ray,
+    the engine actors, vLLM's engine cores) outlives it."""
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(BIN / "tandem"), "serve", str(write_config(tmp_path))], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        # Interrupt while vLLM's engine core starts: the engines are half up, nothing is ready.
+        deadline = time.time() + 600
+        while not any("EngineCore" in p.name() for p in engine_processes(psutil.Process(proc.pid))):
+            assert proc.poll() is None and time.time() < deadline, f"no engine core started:\n{log.read_text()[-4000:]}"
+            time.sleep(0.2)
+        assert interrupt_leaving_nothing(proc, "tandem serve while starting") == 130, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "tandem: start-up interrupted; everything it had started is stopped" in text
+    assert "Tandem ready" not in text and "Traceback" not in text, text[-4000:]
+
+
 @pytest.fixture
 def ray_head() -> Iterator[tuple[str, str, dict[str, str]]]:
     """A `ray start --head --block` cluster on loopback, every port chosen free (other Ray
