@@ -51,7 +51,7 @@ logger = logging.getLogger("tandem.kv_index")
 # wide margin that costs little capacity.
 SLOT_QUARANTINE_S = 2.0
 # An uncommitted grant older than this is reclaimed: a healthy worker writes and commits (or
-# gives back) within the engine step that asked for it, milliseconds; a grant this old
+# gives back) by the end of the engine step after the one that asked for it, milliseconds; a grant this old
 # belongs to an engine that died without ``release_owner`` (or a store stalled for a minute).
 GRANT_LEASE_S = 60.0
 # A pin older than this is dropped: a lookup's answer is used within LOOKUP_FRESH_S (5 s,

@@ -151,10 +151,10 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         # Requests whose planned load has not ended: they hold pins until it does.
         self._loading: set[str] = set()
         self._meta = TierMetadata()
-        # Worker state: this step's saves (block ids, hashes), bound before the forward pass;
-        # and the last step's, written at the start of this one.
-        self._step_saves: list[tuple[list[int], list[bytes]]] = []
-        self._deferred_saves: list[tuple[list[int], list[bytes]]] = []
+        # Worker state: this step's saves (block ids, hashes, the slot call asked of the index),
+        # bound before the forward pass; and the last step's, written at the start of this one.
+        self._step_saves: list[tuple[list[int], list[bytes], int | None]] = []
+        self._deferred_saves: list[tuple[list[int], list[bytes], int | None]] = []
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -307,11 +307,15 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(kv_caches, self.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Called before each forward pass: note this step's saves (nothing is asked of the
-        index yet: see `handle_preemptions`)."""
+        """Called before each forward pass: note this step's saves and ask the index for their
+        slots now, so that the answer comes during the forward pass instead of in the next
+        step's start (`handle_preemptions`), which used to wait the round trip. The ask is one
+        ZMQ message sent without waiting; asked this early as a Ray call, it slowed the
+        forward pass beside it (docs/cpu-tier.md)."""
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, TierMetadata)
-        self._step_saves = [(job.block_ids, job.hashes) for job in connector_metadata.saves]
+        assert isinstance(connector_metadata, TierMetadata) and self.worker is not None
+        worker = self.worker
+        self._step_saves = [(job.block_ids, job.hashes, worker.request_slots(job.hashes)) for job in connector_metadata.saves]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Called once per step: post this step's planned loads."""
@@ -340,15 +344,10 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         step's blocks now, while they still hold what it computed. No block needs holding for
         this: a block freed (a request finished, aborted or preempted) is handed out again at
         the earliest in a plan made after the free, and that plan's step starts here. vLLM
-        runs one more step after any request finishes, so the last saves are written too.
-        The slots are asked of the index here too, once the step's tokens have left: asked
-        before the forward pass (to hide the round trip behind it), the call (then a Ray call)
-        slowed that forward pass and the first token's way out (1P1D prefill compute 7.0 ->
-        6.0 ms, colocated 6.4 -> 5.3 ms; docs/bench-results.md)."""
+        runs one more step after any request finishes, so the last saves are written too."""
         assert self.worker is not None
         saves, self._deferred_saves = self._deferred_saves, []
-        worker = self.worker
-        worker.save([(ids, hashes, worker.request_slots(hashes)) for ids, hashes in saves], self.block_size)
+        self.worker.save(saves, self.block_size)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Called once per step: requests whose loads ended (errors reported separately), after

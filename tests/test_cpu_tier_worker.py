@@ -211,10 +211,11 @@ def test_the_first_grant_brings_the_endpoint_of_the_store() -> None:
     assert index.endpoint.calls == [] and commits(index) == [True]
 
 
-def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
-    """The connector asks for slots and writes a step's blocks when the next step starts
+def test_a_steps_saves_are_asked_for_before_its_forward_pass_and_written_at_the_start_of_the_next() -> None:
+    """The connector asks the index for a step's slots when the step is bound, so the answer
+    comes during the forward pass, and writes the blocks when the next step starts
     (handle_preemptions, in every step, forward pass or not), not around the forward pass that
-    computed them, where the Ray call and the WRITE would delay that step's tokens."""
+    computed them, where the WRITE would delay that step's tokens."""
     from types import SimpleNamespace
 
     import msgspec
@@ -235,8 +236,10 @@ def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
 
     conn.handle_preemptions(TierMetadata())
     conn.bind_connector_metadata(TierMetadata(saves=[SaveJob([2, 3], [bytes([5]), bytes([6])])]))
+    (asked,) = index.allocate.calls  # before the forward pass: its answer comes meanwhile
+    assert asked.hashes == [bytes([5]), bytes([6])]
     conn.wait_for_save()  # the forward pass that computed blocks 2 and 3 has ended
-    assert writes() == [] and commits(index) == [] and index.allocate.calls == []  # not even a slot asked for yet
+    assert writes() == [] and commits(index) == []  # nothing written around it
     conn.clear_connector_metadata()
     conn.handle_preemptions(TierMetadata())  # the next step, before it can touch the KV cache
     (local,) = writes()
@@ -244,7 +247,7 @@ def test_a_steps_saves_are_written_at_the_start_of_the_next_step() -> None:
     conn.bind_connector_metadata(TierMetadata())
     conn.wait_for_save()
     conn.handle_preemptions(TierMetadata())
-    assert len(writes()) == 1  # nothing written twice
+    assert len(writes()) == 1 and len(index.allocate.calls) == 1  # nothing asked for or written twice
 
 
 def test_a_write_outliving_its_step_keeps_its_grant_until_the_transfer_ends() -> None:
