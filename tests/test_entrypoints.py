@@ -108,6 +108,15 @@ def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
             proc.kill()
 
 
+def engine_core_started(pid: int) -> bool:
+    """Whether a vLLM engine core process runs under `pid` (False once `pid` is gone)."""
+    try:
+        cores = [p for p in engine_processes(psutil.Process(pid)) if "EngineCore" in p.name()]
+    except psutil.Error:  # `pid`, or a process listed a moment ago, has exited
+        return False
+    return bool(cores)
+
+
 def test_ctrl_c_while_the_engines_start_stops_everything_it_had_started(tmp_path: Path) -> None:
     """Ctrl-C before `tandem serve` is ready (on a cluster a start takes minutes): one line
     says start-up was interrupted, no traceback, exit code 130, and nothing it started (Ray,
@@ -118,7 +127,7 @@ def test_ctrl_c_while_the_engines_start_stops_everything_it_had_started(tmp_path
     try:
         # Interrupt while vLLM's engine core starts: the engines are half up, nothing is ready.
         deadline = time.time() + 600
-        while not any("EngineCore" in p.name() for p in engine_processes(psutil.Process(proc.pid))):
+        while not engine_core_started(proc.pid):
             assert proc.poll() is None and time.time() < deadline, f"no engine core started:\n{log.read_text()[-4000:]}"
             time.sleep(0.2)
         assert interrupt_leaving_nothing(proc, "tandem serve while starting") == 130, log.read_text()[-4000:]
