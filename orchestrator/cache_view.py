@@ -17,10 +17,11 @@ put a round trip on every request's path, and on an engine's, its lookup.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -41,6 +42,13 @@ POLL_S = 1.0
 # Blocks of a request just routed to an engine count as held there this long, or until the
 # engine's events say otherwise.
 EXPECT_TTL_S = 5.0
+# A block is live on an engine while requests routed there reuse it (a block some earlier
+# request used), the last time this recently: long enough to span a chat's pause between
+# turns, short enough that prefixes nobody came back to (vLLM evicts those first, at no cost)
+# do not count.
+WORKING_SET_S = 120.0
+# The most block keys a router remembers as used lately, to tell a reuse from a first use.
+SEEN_MAX = 500_000
 
 
 class EngineCache:
@@ -52,6 +60,8 @@ class EngineCache:
         self.version = 0
         self.held: set[int] = set()
         self.expected: dict[int, float] = {}
+        # key -> when a request this router sent here last reused it, the least recent first.
+        self.live: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.num_requests = 0
         self.num_tokens = 0
         self.requests_by_origin: dict[str, int] = {}
@@ -60,12 +70,15 @@ class EngineCache:
     def apply(self, update: CacheUpdate) -> None:
         if update.full or update.incarnation != self.incarnation:
             self.held = set(update.stored)
+            if update.incarnation != self.incarnation:
+                self.live.clear()
         else:
             self.held.update(update.stored)
             self.held.difference_update(update.removed)
         self.expected = {k: t for k, t in self.expected.items() if k not in self.held}
         for k in update.removed:
             self.expected.pop(k, None)
+            self.live.pop(k, None)
         self.incarnation, self.version = update.incarnation, update.version
         self.num_requests, self.num_tokens = update.num_requests, update.num_tokens
         self.requests_by_origin = update.requests_by_origin
@@ -89,13 +102,37 @@ class EngineCache:
         expected = sum(t >= now for t in self.expected.values())
         return max(0, self.ref.num_blocks - len(self.held) - expected)
 
-    def expect(self, keys: Sequence[int], now: float) -> None:
+    def working_set(self, now: float) -> int:
+        """Live blocks: those that requests sent here reused (CacheView.expect), the last time
+        within WORKING_SET_S, and the engine still holds (or is expected to): the prefixes
+        traffic keeps coming back to here, a chat's history or a shared system prompt, not a
+        one-off question's, nor a history whose chat has moved on to another engine. Dropped
+        from the least recently used end, so a block whose expectation lapsed unstored counts
+        as long as the blocks used before it."""
+        live = self.live
+        while live:
+            key, t = next(iter(live.items()))
+            if t >= now - WORKING_SET_S and (key in self.held or self.expected.get(key, -math.inf) >= now):
+                break
+            del live[key]
+        return len(live)
+
+    def live_blocks(self, keys: Sequence[int]) -> int:
+        """How many of `keys` are live here (as of the last `working_set`)."""
+        return sum(k in self.live for k in keys)
+
+    def expect(self, keys: Sequence[int], now: float, reused: Collection[int] = ()) -> None:
+        """A request using `keys` was sent here: they count as held for EXPECT_TTL_S (until
+        events say otherwise), and those of them in `reused` as live now."""
         deadline = now + EXPECT_TTL_S
         if len(self.expected) > 4 * len(keys) + 1024:  # drop the expired before growing further
             self.expected = {k: t for k, t in self.expected.items() if t >= now}
         for k in keys:
             if k not in self.held:
                 self.expected[k] = deadline
+            if k in reused:
+                self.live[k] = now
+                self.live.move_to_end(k)
 
 
 class TierView:
@@ -168,6 +205,9 @@ class CacheView:
         # engine id -> the task following it and the EngineCache that task fills
         self._tasks: dict[str, tuple[asyncio.Task[None], EngineCache]] = {}
         self._hashers: dict[tuple[str, str, int], PrefixHasher] = {}
+        # Block keys the requests this router sent used lately (any engine), the least recent
+        # first: a request's block found here is a reuse (EngineCache.live).
+        self._seen: collections.OrderedDict[int, float] = collections.OrderedDict()
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
         """Follow these engines (from the next `sync` on the event loop); forget the rest.
@@ -275,11 +315,36 @@ class CacheView:
         stored = len(prompt.for_engine(ref)[1]) - cached_tokens // ref.block_size
         return max(0, stored - free) * ref.block_size
 
+    def room_blocks(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
+        """Blocks of engine `ref`'s prefix cache that other prefixes' live blocks leave for
+        this prompt's new ones and what grows from them (EngineCache.working_set; the prompt's
+        own cached run is what it reuses, not competition for room); None when its capacity
+        is unknown."""
+        cache = self.caches.get(ref.engine_id)
+        if cache is None or not ref.num_blocks:
+            return None
+        now = time.monotonic()
+        live = cache.working_set(now)
+        _, keys = prompt.for_engine(ref)
+        own = cache.live_blocks(keys[: cache.prefix_blocks(keys, now)])
+        return max(0, ref.num_blocks - (live - own))
+
     def expect(self, ref: EngineRef, prompt: PromptKeys) -> None:
-        """Count the prompt's blocks as held on `ref` until its events catch up."""
+        """The prompt goes to `ref`: its blocks count as held there until its events catch up,
+        and those an earlier request used (there or elsewhere) as live there. A chat's history
+        is live where its next turn goes, and a history the chat left behind is not."""
+        now = time.monotonic()
+        _, keys = prompt.for_engine(ref)
+        seen = self._seen
+        while seen and (len(seen) > SEEN_MAX or next(iter(seen.values())) < now - WORKING_SET_S):
+            seen.popitem(last=False)
+        reused = {k for k in keys if k in seen}
+        for k in keys:
+            seen[k] = now
+            seen.move_to_end(k)
         cache = self.caches.get(ref.engine_id)
         if cache is not None:
-            cache.expect(prompt.for_engine(ref)[1], time.monotonic())
+            cache.expect(keys, now, reused)
 
     def seen(self, engine_id: str) -> EngineCache | None:
         """What the router last heard from the engine (its load included), if anything."""

@@ -388,7 +388,10 @@ class Router:
                 return candidates[0] if candidates else None
             weights = self.routing.scorers
             tier = self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
-            facts = [self._facts(e, picker, prompt, tier) for e in candidates]
+            rooms = [self.cache.room_blocks(e, prompt) for e in candidates]
+            roomiest = max((r for r in rooms if r is not None), default=0)
+            facts = [self._facts(e, picker, prompt, tier, 0.0 if room is None else (roomiest - room) * e.block_size)
+                     for e, room in zip(candidates, rooms)]
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
         return engine
@@ -436,7 +439,8 @@ class Router:
             return float(len(prompt.token_ids) - cached)
         return self._tier_tokens(engine, tier, cached)
 
-    def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int]) -> EngineFacts:
+    def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int],
+               crowded_tokens: float = 0.0) -> EngineFacts:
         assert self.cache is not None
         seen = self.cache.seen(engine.engine_id)
         cached = self.cache.cached_tokens(engine, prompt)
@@ -451,6 +455,7 @@ class Router:
             picker.queued_tokens.get(engine.engine_id, 0.0) + (outstanding - mine) * len(prompt.token_ids),
             self.cache.evicted_tokens(engine, prompt, cached),
             engine.saves_tier and engine.loads_tier,
+            crowded_tokens,
         )
 
     async def _pick_output_engine(self, prompt: PromptKeys | None, exclude: set[str]) -> EngineRef | None:

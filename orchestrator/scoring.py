@@ -50,6 +50,12 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # Whether an evicted prefix comes back as a load: the replica saved it to the CPU tier
     # and loads from it.
     evictions_reload: bool = False
+    # Tokens of room for this prompt's new blocks the replica lacks against the roomiest
+    # candidate: its cache holds more of other prefixes that traffic keeps reusing
+    # (CacheView.room_blocks). A prefix placed there grows with its next requests (a chat's
+    # history), and the fuller cache is the first to evict a live prefix, which its next
+    # request computes again.
+    crowded_tokens: float = 0.0
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -75,10 +81,11 @@ def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
 
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """1 / (1 + the tokens ahead of this request's first token, in prompts of its size), the
-    tokens its blocks would evict (and so someone computes again) counting `evict_cost`, or
-    `kv_load_cost` where the CPU tier keeps them (someone loads them again)."""
+    tokens its blocks would evict (and so someone computes again) and the room for live
+    prefixes it lacks against the roomiest replica (what it will evict first) counting
+    `evict_cost`, or `kv_load_cost` where the CPU tier keeps them (someone loads them again)."""
     evict = min(cfg.evict_cost, cfg.kv_load_cost) if f.evictions_reload else cfg.evict_cost
-    ahead = ahead_tokens(f, n, cfg) + evict * f.evicted_tokens
+    ahead = ahead_tokens(f, n, cfg) + evict * (f.evicted_tokens + f.crowded_tokens)
     return 1.0 / (1.0 + ahead / max(n, 1))
 
 

@@ -155,9 +155,63 @@ def test_free_blocks_are_the_capacity_less_held_and_expected_blocks() -> None:
     assert EngineCache(EngineRef("e", "prefill", None)).free_blocks(now=0.0) is None  # capacity unknown
 
 
+def test_the_working_set_is_what_requests_sent_there_reused_lately_and_it_still_holds() -> None:
+    from orchestrator.cache_view import WORKING_SET_S
+
+    cache = EngineCache(EngineRef("e", "prefill", None, num_blocks=10))
+    cache.apply(CacheUpdate("i1", 1, True, [1, 2, 3, 4, 5], [], 0, 0, 0.0))
+    cache.expect([1, 2, 3], now=0.0)
+    assert cache.working_set(now=0.0) == 0  # a first use: a one-off question's blocks do not count
+    cache.expect([1, 2, 4], now=10.0, reused={1, 2})
+    cache.expect([1, 2, 4, 6], now=50.0, reused={1, 2, 4, 6})  # 6 expected, never stored
+    assert cache.working_set(now=51.0) == 4 and cache.live_blocks([1, 3, 4, 6]) == 3
+    cache.apply(CacheUpdate("i1", 2, False, [], [2], 0, 0, 0.0))  # vLLM evicted 2
+    assert cache.working_set(now=51.0) == 3
+    # 6, never stored, counts as long as a block reused before it; then none is left.
+    assert cache.working_set(now=WORKING_SET_S + 49.0) == 3
+    assert cache.working_set(now=WORKING_SET_S + 51.0) == 0
+    cache.expect([1, 5], now=200.0, reused={1, 5})
+    assert cache.working_set(now=201.0) == 2
+    cache.apply(CacheUpdate("i2", 1, True, [1, 5], [], 0, 0, 0.0))  # a restarted engine
+    assert cache.working_set(now=201.0) == 0
+
+
+def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
+    """A chat's history becomes live on the engine its next turn goes to, even when that turn
+    moved it there; the engine it left keeps the history, not as live."""
+    from orchestrator.cache_view import CacheView
+
+    view = CacheView()
+    a, b = (EngineRef(name, "prefill", None, "i0", BLOCK, "sha256", SEED, num_blocks=100) for name in "ab")
+    view.set_engines([a, b])
+    turn1 = list(range(2000, 2000 + 3 * BLOCK))
+    view.expect(a, view.prompt(turn1))
+    assert view.room_blocks(a, view.prompt([9] * BLOCK)) == 100  # used once: nothing live yet
+    view.expect(b, view.prompt(turn1 + list(range(5000, 5000 + 2 * BLOCK))))
+    other = view.prompt([9] * BLOCK)
+    assert (view.room_blocks(a, other), view.room_blocks(b, other)) == (100, 97)
+    # The turn's own cached run is what it reuses, not competition for its room.
+    assert view.room_blocks(b, view.prompt(turn1 + [7] * BLOCK)) == 100
+
+
 def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0,
-          queued: float = 0.0, evicted: float = 0.0) -> EngineFacts:
-    return EngineFacts(eid, outstanding, cached, tier, usage, queued, evicted)
+          queued: float = 0.0, evicted: float = 0.0, crowded: float = 0.0) -> EngineFacts:
+    return EngineFacts(eid, outstanding, cached, tier, usage, queued, evicted, crowded_tokens=crowded)
+
+
+def test_work_counts_the_room_a_working_set_leaves() -> None:
+    """A new chat sharing only the system prompt goes where live prefixes leave more room,
+    once the holder's extra working set outweighs the system prompt the other computes once;
+    a chat's next turn stays with its history while the imbalance is smaller than it."""
+    cfg = RoutingConfig(policy="kv_aware")
+    # 340-token first turn, the 256-token system prompt on `busy` only.
+    assert choose([facts("busy", cached=256, crowded=160), facts("empty")], 340, cfg).engine_id == "busy"
+    assert choose([facts("busy", cached=256, crowded=352), facts("empty")], 340, cfg).engine_id == "empty"
+    # A 700-token turn whose 576-token history one replica holds, both holding the system prompt.
+    assert choose([facts("holder", cached=576, crowded=256), facts("other", cached=256)], 700, cfg).engine_id == "holder"
+    # Where the tier keeps what is evicted, the room costs a load.
+    reload = msgspec.structs.replace(facts("busy", cached=256, crowded=352), evictions_reload=True)
+    assert choose([reload, facts("empty")], 340, cfg).engine_id == "busy"
 
 
 def test_work_counts_what_a_full_cache_would_evict() -> None:
@@ -549,7 +603,10 @@ def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one()
     """16 chats whose histories fit in two engines' caches together but not in one. Sent one
     at a time (no queue anywhere), kv_aware without the eviction cost sent every chat to the
     engine that held the system prompt, which then evicted each history before its next turn
-    (as much computed as round robin); with it, the chats spread and stay."""
+    (as much computed as round robin); with it, the chats spread and stay. Counting only the
+    evictions a request makes at once, they spread late, once that engine was full (1.23x
+    the least possible); counting the room live histories leave, at their second turn
+    (1.12x)."""
 
     async def run(policy: str, evict_cost: float) -> tuple[int, list[int]]:
         engines = [LruEngine("a", 150), LruEngine("b", 150)]
@@ -579,7 +636,30 @@ def test_kv_aware_spreads_chats_over_the_pools_caches_instead_of_thrashing_one()
     assert min(held) > 60  # both caches in use
     # Computed prompt tokens: 1.23x what caches that never evict would compute, where round
     # robin and the piled-up way compute 1.6-1.7x.
-    assert spread <= 1.3 * bound and spread < 0.8 * min(round_robin, piled), (bound, spread, round_robin, piled)
+    assert spread <= 1.15 * bound and spread < 0.8 * min(round_robin, piled), (bound, spread, round_robin, piled)
+
+
+def test_one_off_questions_after_a_shared_prefix_stay_with_its_holder() -> None:
+    """Questions asked once each after one system prompt: their blocks are never reused, so
+    they take no room from anything live, and every question goes where the prefix is cached
+    (as chats' first turns would, until their next turns show the histories live)."""
+
+    async def run() -> list[int]:
+        engines = [LruEngine("a", 150), LruEngine("b", 150)]
+        router = Router([e.ref("both") for e in engines], RoutingConfig(policy="kv_aware"))
+        rng = random.Random(1)
+        system = list(range(1000, 1000 + 8 * BLOCK))
+        for i in range(24):
+            question = [rng.randrange(2000, 30000) for _ in range(3 * BLOCK)]
+            async for _ in router.generate(EngineRequest(f"q{i}", system + question, SamplingParams(max_tokens=1)), RequestTrace()):
+                pass
+            await asyncio.sleep(0.005)  # the engines' events reach the view
+        await router.close()
+        return [e.computed for e in engines]
+
+    computed = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    # The system prompt computed once, then only the questions, all on one engine.
+    assert sorted(computed) == [0, 8 * BLOCK + 24 * 3 * BLOCK], computed
 
 
 def test_routers_follow_only_the_pools_whose_caches_they_look_at() -> None:
