@@ -47,8 +47,10 @@ EXPECT_TTL_S = 5.0
 # turns, short enough that prefixes nobody came back to (vLLM evicts those first, at no cost)
 # do not count.
 WORKING_SET_S = 120.0
-# The most block keys a router remembers as used lately, to tell a reuse from a first use.
-SEEN_MAX = 500_000
+# The most block keys a router remembers as used lately, to tell a reuse from a first use
+# (about 33 MB; a router seeing more distinct blocks than this in WORKING_SET_S forgets the
+# oldest first uses, and their reuses count from the next one).
+SEEN_MAX = 200_000
 
 
 class EngineCache:
