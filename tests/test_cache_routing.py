@@ -154,6 +154,51 @@ def test_evicted_blocks_leave_the_view(pd: Running) -> None:
     assert gone == 0, "the view still counts blocks the engine evicted"
 
 
+def test_chats_spread_over_the_prefill_engines_instead_of_piling_on_the_system_prompts_holder(pd: Running) -> None:
+    """Eight chats after one system prompt, one request at a time (no queue anywhere). Their
+    first turns all go where the system prompt is cached; at their second turn, once their
+    histories show as live there, kv_aware moves some to the other prefill engine rather than
+    letting one cache hold every history (before, every turn went to the holder until its
+    cache evicted the histories)."""
+    import msgspec
+    import ray
+
+    from actors.kv_index import index_actor_name
+    from orchestrator.cache_view import CacheView
+    from orchestrator.cluster import NAMESPACE
+
+    cfg = pd.deployment.cfg
+    tier = ray.get_actor(index_actor_name(cfg.serve.app_name), namespace=NAMESPACE)  # as an ingress follows it
+    router = Router(pd.deployment.routing_engines(), msgspec.structs.replace(cfg.routing, disaggregation="always"),
+                    cache_view=CacheView(tier))
+    system = prompt(300, 96)
+    first = [system + prompt(310 + c, 64) for c in range(8)]
+
+    async def go() -> list[dict[str, float]]:
+        assert router.cache is not None
+        router.cache.sync()
+        served = []
+        for turn in (first, [t + prompt(330 + c, 64) for c, t in enumerate(first)]):
+            counts: dict[str, float] = {}
+            for c, ids in enumerate(turn):
+                before = finished_on(pd, "prefill")
+                req = EngineRequest(f"chat-{c}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+                async for _ in router.generate(req, RequestTrace()):
+                    pass
+                await asyncio.sleep(1.0)  # the engines' events and the tier's feed reach the view
+                after = finished_on(pd, "prefill")
+                for e, n in after.items():
+                    counts[e] = counts.get(e, 0) + n - before.get(e, 0)
+            served.append(counts)
+        await router.close()
+        return served
+
+    turn1, turn2 = asyncio.run(asyncio.wait_for(go(), timeout=300))
+    assert sum(turn1.values()) == 8 and sum(turn2.values()) == 8, (turn1, turn2)
+    assert max(turn1.values()) == 8, turn1  # one-off so far: all with the system prompt's holder
+    assert sorted(turn2.values())[0] >= 2, turn2  # live histories: some moved to the other engine
+
+
 def test_conditional_prefills_short_prompts_on_the_decode_engine(pd: Running) -> None:
     before = sum(finished_on(pd, "prefill").values())
     # Short enough to stay local even while the decode engine's report of the previous request
