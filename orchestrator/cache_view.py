@@ -176,6 +176,11 @@ def _subscribe(address: str) -> zmq.asyncio.Socket:
     return sub
 
 
+def _geometry(ref: EngineRef) -> tuple[str, str, int]:
+    """What an engine's block keys depend on: engines alike in it share keys."""
+    return ref.hash_algo, ref.hash_seed, ref.block_size
+
+
 class PromptKeys:
     """A prompt's block hashes and keys per block geometry, computed once per request."""
 
@@ -185,9 +190,12 @@ class PromptKeys:
         self._by_hasher: dict[tuple[str, str, int], tuple[list[bytes], list[int]]] = {}
         # The CPU tier's run of the prompt, by node (CacheView.tier_prefix), once per request.
         self.tier: dict[str, int] | None = None
+        # The prompt's block keys an earlier request used, per block geometry (CacheView.expect),
+        # found at the request's first claim: its prefill's and its decode's claims alike.
+        self.reused: dict[tuple[str, str, int], set[int]] = {}
 
     def for_engine(self, ref: EngineRef) -> tuple[list[bytes], list[int]]:
-        spec = (ref.hash_algo, ref.hash_seed, ref.block_size)
+        spec = _geometry(ref)
         got = self._by_hasher.get(spec)
         if got is None:
             hashes = self._view.hasher(*spec).hashes(self.token_ids)
@@ -334,16 +342,20 @@ class CacheView:
     def expect(self, ref: EngineRef, prompt: PromptKeys) -> None:
         """The prompt goes to `ref`: its blocks count as held there until its events catch up,
         and those an earlier request used (there or elsewhere) as live there. A chat's history
-        is live where its next turn goes, and a history the chat left behind is not."""
+        is live where its next turn goes, and a history the chat left behind is not. A
+        request's own claims (its prefill's, then its decode's) are one use: the second does
+        not find the first's blocks reused."""
         now = time.monotonic()
         _, keys = prompt.for_engine(ref)
-        seen = self._seen
-        while seen and (len(seen) > SEEN_MAX or next(iter(seen.values())) < now - WORKING_SET_S):
-            seen.popitem(last=False)
-        reused = {k for k in keys if k in seen}
-        for k in keys:
-            seen[k] = now
-            seen.move_to_end(k)
+        reused = prompt.reused.get(_geometry(ref))
+        if reused is None:
+            seen = self._seen
+            while seen and (len(seen) > SEEN_MAX or next(iter(seen.values())) < now - WORKING_SET_S):
+                seen.popitem(last=False)
+            reused = prompt.reused[_geometry(ref)] = {k for k in keys if k in seen}
+            for k in keys:
+                seen[k] = now
+                seen.move_to_end(k)
         cache = self.caches.get(ref.engine_id)
         if cache is not None:
             cache.expect(keys, now, reused)

@@ -22,7 +22,17 @@ decode engine has no more to compute before its first token than the best prefil
 while a prefill replica would answer sooner. A request that asks for its prompt's logprobs (echo with
 logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
 in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
-Counted on /metrics by decision and reason.
+
+A local prefill also leaves the prompt on the decode engine alone, which matters for a
+conversation: its next turn finds its history there or nowhere. Every request's KV passes
+through the decode engine's cache, a prefill replica's only that of the requests sent to it,
+so with caches alike the decode engine's turns over first and a history homed there is the
+one lost, its next turn computing it whole (docs/bench-results.md, routing runs 44-47). So
+the router counts such a loss as `at_risk_tokens` on the local side (Router._stranded_tokens:
+a prompt continuing a history only the decode engine holds, which keeps no copy in the CPU
+tier and has less room for live prefixes than the roomiest prefill replica): the turn then
+goes remote, where kv_aware homes it on the prefill pool. Counted on /metrics by decision and
+reason.
 """
 
 from __future__ import annotations
@@ -37,12 +47,14 @@ Decision = Literal["remote", "local"]
 # prefill pool would have more still ahead of it; prefill_busy: every prefill replica is
 # saturated; long_uncached: worth a remote prefill; prefill_sooner: the prefill replica that
 # streams the first token would reach it with less to compute than the decode engine;
-# prompt_logprobs: the request needs its prompt computed where its output streams.
+# prompt_logprobs: the request needs its prompt computed where its output streams;
+# stranded_history: local but for the history it would leave on the decode engine alone.
 Reason = Literal["always", "never", "short_uncached", "remote_costlier", "prefill_busy", "long_uncached",
-                 "prefill_sooner", "prompt_logprobs"]
+                 "prefill_sooner", "prompt_logprobs", "stranded_history"]
 DECISIONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "short_uncached"), ("local", "remote_costlier"),
     ("local", "prefill_busy"), ("remote", "long_uncached"), ("remote", "prefill_sooner"), ("local", "prompt_logprobs"),
+    ("remote", "stranded_history"),
 )
 
 
@@ -57,6 +69,7 @@ def decide(
     prefill_ahead_tokens: float | None = None,
     first_from_prefill: bool = False,
     prompt_logprobs: bool = False,
+    at_risk_tokens: float = 0.0,
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
     cache, or the CPU tier); `decode_outstanding`: requests in flight there;
@@ -65,7 +78,9 @@ def decide(
     of local prefills sent to the decode engine that it has not computed yet;
     `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
     request's first token (its queue and this prompt's uncached part; None: unknown);
-    `first_from_prefill`: a remote prefill would stream this request's first token."""
+    `first_from_prefill`: a remote prefill would stream this request's first token;
+    `at_risk_tokens`: what a local prefill is expected to cost later, in computed tokens (a
+    history it would leave where it is likely lost)."""
     if prompt_logprobs:
         return "local", "prompt_logprobs"
     if cfg.disaggregation == "always":
@@ -73,13 +88,26 @@ def decide(
     if cfg.disaggregation == "never":
         return "local", "never"
     to_compute = prompt_tokens - decode_cached_tokens + decode_queued_tokens
+    args = (cfg, decode_outstanding, prefill_outstanding, prefill_ahead_tokens, first_from_prefill)
+    if reason := _local(to_compute + at_risk_tokens, *args):
+        return "local", reason
+    if at_risk_tokens and _local(to_compute, *args):
+        return "remote", "stranded_history"
     if first_from_prefill and prefill_ahead_tokens is not None and to_compute > prefill_ahead_tokens:
         return "remote", "prefill_sooner"
+    return "remote", "long_uncached"
+
+
+def _local(to_compute: float, cfg: RoutingConfig, decode_outstanding: int, prefill_outstanding: list[int],
+           prefill_ahead_tokens: float | None, first_from_prefill: bool) -> Reason | None:
+    """Why the decode engine should prefill a request costing it `to_compute` tokens, or None."""
+    if first_from_prefill and prefill_ahead_tokens is not None and to_compute > prefill_ahead_tokens:
+        return None
     stall = to_compute * (1 + decode_outstanding)
     if stall <= cfg.local_prefill_max_tokens:
-        return "local", "short_uncached"
+        return "short_uncached"
     if prefill_ahead_tokens is not None and stall <= cfg.local_prefill_max_tokens + prefill_ahead_tokens - to_compute:
-        return "local", "remote_costlier"
+        return "remote_costlier"
     if prefill_outstanding and min(prefill_outstanding) >= cfg.prefill_busy_requests:
-        return "local", "prefill_busy"
-    return "remote", "long_uncached"
+        return "prefill_busy"
+    return None

@@ -472,7 +472,7 @@ class Router:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted; with
         the prompt tokens `decode` would compute itself. `forward`: a remote prefill's token
         would be the client's first (routing.first_token)."""
-        cached = 0.0
+        cached = at_risk = 0.0
         ahead: float | None = None
         picker = self.pools["prefill"]
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
@@ -480,18 +480,45 @@ class Router:
             cached = self.cache.cached_tokens(decode, prompt)
             cached += self._tier_tokens(decode, tier, cached)
             n = len(prompt.token_ids)
-            ahead = min((ahead_tokens(self._facts(e, picker, prompt, tier), n, self.routing) for e in picker.candidates()),
-                        default=None)
+            candidates = picker.candidates()
+            facts = [self._facts(e, picker, prompt, tier) for e in candidates]
+            ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
+            at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
         busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
                                   decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
                                   prefill_ahead_tokens=ahead,
                                   first_from_prefill=forward,
-                                  prompt_logprobs=request.sampling.prompt_logprobs is not None)
+                                  prompt_logprobs=request.sampling.prompt_logprobs is not None,
+                                  at_risk_tokens=at_risk)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
         return decision, len(request.prompt_token_ids) - cached
+
+    def _stranded_tokens(self, decode: EngineRef, prompt: PromptKeys, candidates: Sequence[EngineRef],
+                         facts: Sequence[EngineFacts]) -> float:
+        """What a local prefill on `decode` is expected to cost later (disaggregation.decide's
+        `at_risk_tokens`): the prompt tokens it would leave there alone (no prefill replica
+        holds them, nor loads them from the tier), at `evict_cost`, when the prompt continues
+        such a history already (a conversation, not a one-off prompt after a shared prefix),
+        `decode` keeps no copy in the CPU tier, and its cache has less room for live prefixes
+        than the roomiest prefill replica's (CacheView.room_blocks, in tokens): the cache all
+        traffic passes through evicts such a history first. 0 otherwise, or when a capacity
+        is unknown."""
+        assert self.cache is not None
+        if (decode.saves_tier and decode.loads_tier) or not facts:
+            return 0.0
+        held = max(f.cached_tokens + f.loaded_tokens for f in facts)
+        if self.cache.cached_tokens(decode, prompt) <= held:
+            return 0.0
+        room = self.cache.room_blocks(decode, prompt)
+        rooms = [self.cache.room_blocks(e, prompt) for e in candidates]
+        if room is None or None in rooms:
+            return 0.0
+        if room * decode.block_size >= max(r * e.block_size for r, e in zip(rooms, candidates) if r is not None):
+            return 0.0
+        return self.routing.evict_cost * (len(prompt.token_ids) - held)
 
     def _queue_local(self, engine_id: str, tokens: float) -> None:
         """Count (tokens > 0) or uncount (< 0) a local prefill's tokens on a decode engine."""

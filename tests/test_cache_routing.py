@@ -5,7 +5,8 @@ tier, two ingress replicas sharing one port, the official openai client.
   (each follows the engines' own KV events);
 - blocks an engine evicts leave the routers' view of it;
 - under `conditional`, a prompt with little left to compute is prefilled on the decode
-  engine and a long one remotely, each decision counted on /metrics;
+  engine and a long one remotely, each decision counted on /metrics; without the tier, a
+  chat is not homed on a decode engine whose cache other live histories crowd;
 - what the decode engine prefills itself reaches the CPU tier, for the prefill engines;
 - usage.prompt_tokens_details.cached_tokens is right on both paths.
 """
@@ -197,6 +198,51 @@ def test_chats_spread_over_the_prefill_engines_instead_of_piling_on_the_system_p
     assert sum(turn1.values()) == 8 and sum(turn2.values()) == 8, (turn1, turn2)
     assert max(turn1.values()) == 8, turn1  # one-off so far: all with the system prompt's holder
     assert sorted(turn2.values())[0] >= 2, turn2  # live histories: some moved to the other engine
+
+
+def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_cache(pd: Running) -> None:
+    """conditional, with the decode engine keeping no tier copy (as without the tier): chat
+    B's two turns are prefilled on the decode engine (the second continues a history only it
+    holds, and nothing else is live there); so is chat C's first turn. C's second turn would
+    leave C's history on the decode engine alone, whose cache now holds B's live history and
+    so has less room than a prefill engine's: it goes remote ("stranded_history"). With the
+    tier behind the decode engine (the deployment as it runs) the same turns all stay local."""
+    import msgspec
+
+    from orchestrator.cache_view import CacheView
+
+    cfg = pd.deployment.cfg
+    routing = msgspec.structs.replace(cfg.routing, local_prefill_max_tokens=4096)
+
+    def turns(seed: int, no_tier: bool) -> tuple[list[str], dict[str, int]]:
+        engines = [msgspec.structs.replace(e, saves_tier=False) if e.role == "decode" and no_tier else e
+                   for e in pd.deployment.routing_engines()]
+        router = Router(engines, routing, cache_view=CacheView())  # the tier's index unseen either way
+        b1, c1 = prompt(seed, 104), prompt(seed + 1, 104)
+        sequence = [b1, b1 + prompt(seed + 2, 40), c1, c1 + prompt(seed + 3, 40)]
+
+        async def go() -> list[str]:
+            assert router.cache is not None
+            router.cache.sync()
+            await asyncio.sleep(1.0)
+            decisions = []
+            for i, ids in enumerate(sequence):
+                trace = RequestTrace()
+                req = EngineRequest(f"home-{seed}-{i}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=2, temperature=0.0))
+                async for _ in router.generate(req, trace):
+                    pass
+                decisions.append(str(trace.disaggregation))
+                await asyncio.sleep(1.0)  # the engines' events reach the view
+            await router.close()
+            return decisions
+
+        return asyncio.run(asyncio.wait_for(go(), timeout=120)), dict(router.stats.decisions)
+
+    decisions, counted = turns(600, no_tier=True)
+    assert decisions == ["local", "local", "local", "remote"], (decisions, counted)
+    assert counted.get("remote:stranded_history") == 1, counted
+    decisions, counted = turns(620, no_tier=False)
+    assert decisions == ["local"] * 4, (decisions, counted)
 
 
 def test_conditional_prefills_short_prompts_on_the_decode_engine(pd: Running) -> None:

@@ -192,6 +192,14 @@ def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
     assert (view.room_blocks(a, other), view.room_blocks(b, other)) == (100, 97)
     # The turn's own cached run is what it reuses, not competition for its room.
     assert view.room_blocks(b, view.prompt(turn1 + [7] * BLOCK)) == 100
+    # One request claimed on a prefill then a decode engine is one use: its new blocks are
+    # live on neither (before, the decode engine's claim found them "reused").
+    d = EngineRef("d", "decode", None, "i0", BLOCK, "sha256", SEED, num_blocks=100)
+    view.set_engines([a, b, d])
+    question = view.prompt(list(range(7000, 7000 + 4 * BLOCK)))
+    view.expect(a, question)
+    view.expect(d, question)
+    assert view.room_blocks(d, other) == 100
 
 
 def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0,
@@ -331,6 +339,24 @@ def test_with_the_first_token_from_prefill_local_prefills_must_not_start_later_t
     assert decide(cond, 5000, 0, 0, [2, 3], prefill_ahead_tokens=4000, first_from_prefill=True) == ("remote", "prefill_sooner")
 
 
+def test_a_history_a_local_prefill_would_likely_lose_counts_against_it() -> None:
+    """`at_risk_tokens`: what the decode engine would hold alone and likely lose, computed
+    again by the conversation's next turn."""
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100, prefill_busy_requests=2)
+    # 50 tokens left on the decode engine against a prefill replica that lacks 500: local...
+    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, first_from_prefill=True) == ("local", "short_uncached")
+    # ...unless those 500 stay on the decode engine alone, likely lost before the next turn.
+    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, at_risk_tokens=500) == ("remote", "stranded_history")
+    assert (decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, first_from_prefill=True, at_risk_tokens=500)
+            == ("remote", "stranded_history"))
+    # A risk small enough for the budget leaves the request local; one that would go remote
+    # anyway keeps its own reason; a saturated prefill pool still takes none.
+    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, at_risk_tokens=40) == ("local", "short_uncached")
+    assert decide(cond, 5000, 0, 0, [0], at_risk_tokens=500) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 4950, 0, [2, 3], at_risk_tokens=500) == ("local", "prefill_busy")
+
+
 def test_routing_config_names_the_bad_field() -> None:
     with pytest.raises(ConfigError, match="disaggregation"):
         parse_config({"routing": {"disaggregation": "sometimes"}})
@@ -456,7 +482,9 @@ def test_conditional_prefills_a_short_remainder_on_the_decode_engine() -> None:
 def test_conditional_keeps_a_history_only_the_decode_engine_holds_local() -> None:
     """A chat's earlier turns were prefilled on the decode engine; the prefill replica holds
     only the system prompt. The next turn's remainder is over the budget for the request it
-    holds up, but a remote prefill would compute the whole history again: local."""
+    holds up, but a remote prefill would compute the whole history again: local. (The
+    engines' capacities are unknown here, so nothing counts as at risk of eviction; the
+    2P1D replay below has them.)"""
     history = SYSTEM + list(range(5000, 5000 + 8 * BLOCK))
     prefill, decode = CachingEngine("p", [SYSTEM]), CachingEngine("d", [history])
     decode.requests_by_origin = {"another-ingress": 1}  # a request decoding there
@@ -660,6 +688,87 @@ def test_one_off_questions_after_a_shared_prefix_stay_with_its_holder() -> None:
     computed = asyncio.run(asyncio.wait_for(run(), timeout=60))
     # The system prompt computed once, then only the questions, all on one engine.
     assert sorted(computed) == [0, 8 * BLOCK + 24 * 3 * BLOCK], computed
+
+
+class PdLruEngine(LruEngine):
+    """An LruEngine in a 2P1D: as a prefill (kv_transfer_params do_remote_decode) it hands
+    its KV on; as a decode that pulls the KV it computes nothing; whatever decodes stores the
+    conversation's reply too (`history`: the conversation after this turn, set by the test;
+    its reply starts with the token a prefill answers, 7)."""
+
+    history: list[int] = []
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
+        hit = next((i for i, k in enumerate(keys) if k not in self.lru), len(keys))
+        hand_off = req.kv_transfer_params == {"do_remote_decode": True}
+        if not (req.kv_transfer_params and "remote_engine_id" in req.kv_transfer_params):
+            self.computed += len(req.prompt_token_ids) - hit * BLOCK
+        stored = keys if hand_off else [as_key(h) for h in self.hasher.hashes(self.history)]
+        for k in reversed(stored):
+            self.lru.pop(k, None)
+            self.lru[k] = None
+        while len(self.lru) > self.num_blocks:
+            del self.lru[next(iter(self.lru))]
+        self.version += 1
+        yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK,
+                     kv_transfer_params={"remote_engine_id": self.name} if hand_off else None)
+
+
+def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int) -> tuple[list[int], int]:
+    """Chats after one system prompt, turn by turn in a new order each turn, one request at a
+    time, through kv_aware on 2 prefill engines of 390 blocks and a decode engine of
+    `decode_blocks` (a turn: 2-6 blocks from the user, a 2-block reply; 16 chats' histories
+    reach about 580 blocks). Returns the prompt tokens each request computed, and how many
+    were prefilled locally."""
+
+    async def run() -> tuple[list[int], int]:
+        rng = random.Random(0)
+        prefill = [PdLruEngine("p0", 390), PdLruEngine("p1", 390)]
+        decode = PdLruEngine("d", decode_blocks)
+        engines = [*prefill, decode]
+        router = Router([prefill[0].ref("prefill"), prefill[1].ref("prefill"), decode.ref("decode")],
+                        RoutingConfig(policy="kv_aware", disaggregation=disaggregation))
+        histories = [list(range(1000, 1000 + 8 * BLOCK)) for _ in range(chats)]
+        computed, local = [], 0
+        for turn in range(turns):
+            for c in rng.sample(range(chats), chats):
+                histories[c] += [rng.randrange(2000, 30000) for _ in range(rng.randint(2 * BLOCK, 6 * BLOCK))]
+                reply = [7] + [rng.randrange(2000, 30000) for _ in range(2 * BLOCK - 1)]
+                PdLruEngine.history = histories[c] + reply
+                before = sum(e.computed for e in engines)
+                trace = RequestTrace()
+                request = EngineRequest(f"c{c}-{turn}", list(histories[c]), SamplingParams(max_tokens=2))
+                async for _ in router.generate(request, trace):
+                    pass
+                await asyncio.sleep(0.005)  # the engines' events reach the view
+                histories[c] += reply
+                computed.append(sum(e.computed for e in engines) - before)
+                local += trace.disaggregation == "local"
+        await router.close()
+        return computed, local
+
+    return asyncio.run(asyncio.wait_for(run(), timeout=120))
+
+
+def test_conditional_homes_conversations_where_their_histories_are_kept() -> None:
+    """No CPU tier, 16 chats of 6 turns whose histories fit in the two prefill engines'
+    caches together but not in the decode engine's alike one. Before, every turn was
+    prefilled on the decode engine (nothing queued, and it held the history), and from turn 5
+    its cache evicted histories that the next turns computed whole: 1.34x the tokens always
+    disaggregating computes, the worst turn 1.8x its worst. Now a conversation goes remote
+    from its second turn, where the decode engine's cache, which every request passes
+    through, has less room than a prefill engine's, and stays with the prefill pool. With a
+    decode cache four times larger every turn stays local, and one-off questions after a
+    shared prompt stay local either way."""
+    always, none_local = replay_2p1d("always", 16, 6, 390)
+    assert none_local == 0
+    homed, _ = replay_2p1d("conditional", 16, 6, 390)
+    assert sum(homed) <= 1.05 * sum(always) and max(homed) <= max(always), (sum(homed), sum(always), max(homed), max(always))
+    roomy, local = replay_2p1d("conditional", 16, 6, 1600)
+    assert local == 96 and sum(roomy) < 0.75 * sum(always), (local, sum(roomy), sum(always))
+    _, local = replay_2p1d("conditional", 48, 1, 390)
+    assert local == 48
 
 
 def test_routers_follow_only_the_pools_whose_caches_they_look_at() -> None:
