@@ -64,6 +64,8 @@ class EngineCache:
         self.expected: dict[int, float] = {}
         # key -> when a request this router sent here last reused it, the least recent first.
         self.live: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # The same, kept when the engine evicts the block: what traffic asks this cache to keep.
+        self.wanted: collections.OrderedDict[int, float] = collections.OrderedDict()
         self.num_requests = 0
         self.num_tokens = 0
         self.requests_by_origin: dict[str, int] = {}
@@ -74,6 +76,7 @@ class EngineCache:
             self.held = set(update.stored)
             if update.incarnation != self.incarnation:
                 self.live.clear()
+                self.wanted.clear()
         else:
             self.held.update(update.stored)
             self.held.difference_update(update.removed)
@@ -123,6 +126,15 @@ class EngineCache:
         """How many of `keys` are live here (as of the last `working_set`)."""
         return sum(k in self.live for k in keys)
 
+    def demand(self, now: float, keys: Sequence[int]) -> int:
+        """Blocks that requests sent here reused within WORKING_SET_S, held or since evicted,
+        other than `keys`: what traffic asks this cache to keep. Unlike the working set, a
+        cache that evicts what is asked of it does not look roomier for it."""
+        wanted = self.wanted
+        while wanted and next(iter(wanted.values())) < now - WORKING_SET_S:
+            wanted.popitem(last=False)
+        return len(wanted) - sum(k in wanted for k in keys)
+
     def expect(self, keys: Sequence[int], now: float, reused: Collection[int] = ()) -> None:
         """A request using `keys` was sent here: they count as held for EXPECT_TTL_S (until
         events say otherwise), and those of them in `reused` as live now."""
@@ -135,6 +147,8 @@ class EngineCache:
             if k in reused:
                 self.live[k] = now
                 self.live.move_to_end(k)
+                self.wanted[k] = now
+                self.wanted.move_to_end(k)
 
 
 class TierView:
@@ -338,6 +352,15 @@ class CacheView:
         _, keys = prompt.for_engine(ref)
         own = cache.live_blocks(keys[: cache.prefix_blocks(keys, now)])
         return max(0, ref.num_blocks - (live - own))
+
+    def spare_tokens(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
+        """Tokens of engine `ref`'s prefix cache left over by what traffic sent there reuses,
+        other than this prompt's own blocks (EngineCache.demand): how long a new prefix would
+        last there. None when its capacity is unknown."""
+        cache = self.caches.get(ref.engine_id)
+        if cache is None or not ref.num_blocks:
+            return None
+        return (ref.num_blocks - cache.demand(time.monotonic(), prompt.for_engine(ref)[1])) * ref.block_size
 
     def expect(self, ref: EngineRef, prompt: PromptKeys) -> None:
         """The prompt goes to `ref`: its blocks count as held there until its events catch up,

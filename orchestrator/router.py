@@ -502,21 +502,19 @@ class Router:
         `at_risk_tokens`): the prompt tokens it would leave there alone (no prefill replica
         holds them, nor loads them from the tier), at `evict_cost`, when the prompt continues
         such a history already (a conversation, not a one-off prompt after a shared prefix),
-        `decode` keeps no copy in the CPU tier, and its cache has less room for live prefixes
-        than the roomiest prefill replica's (CacheView.room_blocks, in tokens): the cache all
-        traffic passes through evicts such a history first. 0 otherwise, or when a capacity
-        is unknown."""
+        `decode` keeps no copy in the CPU tier, and its cache has less to spare beyond what
+        traffic reuses there than the roomiest prefill replica's (CacheView.spare_tokens): the
+        cache all traffic passes through evicts such a history first. 0 otherwise, or when a
+        capacity is unknown."""
         assert self.cache is not None
         if (decode.saves_tier and decode.loads_tier) or not facts:
             return 0.0
         held = max(f.cached_tokens + f.loaded_tokens for f in facts)
         if self.cache.cached_tokens(decode, prompt) <= held:
             return 0.0
-        room = self.cache.room_blocks(decode, prompt)
-        rooms = [self.cache.room_blocks(e, prompt) for e in candidates]
-        if room is None or None in rooms:
-            return 0.0
-        if room * decode.block_size >= max(r * e.block_size for r, e in zip(rooms, candidates) if r is not None):
+        spare = self.cache.spare_tokens(decode, prompt)
+        others = [self.cache.spare_tokens(e, prompt) for e in candidates]
+        if spare is None or None in others or spare >= max(t for t in others if t is not None):
             return 0.0
         return self.routing.evict_cost * (len(prompt.token_ids) - held)
 

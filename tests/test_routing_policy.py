@@ -167,6 +167,9 @@ def test_the_working_set_is_what_requests_sent_there_reused_lately_and_it_still_
     assert cache.working_set(now=51.0) == 4 and cache.live_blocks([1, 3, 4, 6]) == 3
     cache.apply(CacheUpdate("i1", 2, False, [], [2], 0, 0, 0.0))  # vLLM evicted 2
     assert cache.working_set(now=51.0) == 3
+    # What traffic asks the cache to keep still counts 2: evicting it made no room for it.
+    assert cache.demand(51.0, []) == 4 and cache.demand(51.0, [1, 9]) == 3
+    assert cache.demand(WORKING_SET_S + 51.0, []) == 0
     # 6, never stored, counts as long as a block reused before it; then none is left.
     assert cache.working_set(now=WORKING_SET_S + 49.0) == 3
     assert cache.working_set(now=WORKING_SET_S + 51.0) == 0
