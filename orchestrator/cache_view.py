@@ -232,6 +232,9 @@ class CacheView:
         # Block keys the requests this router sent used lately (any engine), the least recent
         # first: a request's block found here is a reuse (EngineCache.live).
         self._seen: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # The last full block of each prompt those requests sent, the least recent first: a
+        # prompt holding one extends an earlier request's (`continues`).
+        self._tails: collections.OrderedDict[int, float] = collections.OrderedDict()
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
         """Follow these engines (from the next `sync` on the event loop); forget the rest.
@@ -353,6 +356,14 @@ class CacheView:
         own = cache.live_blocks(keys[: cache.prefix_blocks(keys, now)])
         return max(0, ref.num_blocks - (live - own))
 
+    def continues(self, ref: EngineRef, prompt: PromptKeys) -> bool:
+        """Whether the prompt extends one a request of this router sent lately (it holds that
+        prompt's last full block): a conversation's next turn, which the turn after it will
+        extend in turn, and not a one-off prompt after a shared prefix, whose blocks past the
+        prefix no one reuses."""
+        tails = self._tails
+        return any(k in tails for k in prompt.for_engine(ref)[1])
+
     def spare_tokens(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
         """Tokens of engine `ref`'s prefix cache left over by what traffic sent there reuses,
         other than this prompt's own blocks (EngineCache.demand): how long a new prefix would
@@ -372,13 +383,17 @@ class CacheView:
         _, keys = prompt.for_engine(ref)
         reused = prompt.reused.get(_geometry(ref))
         if reused is None:
-            seen = self._seen
-            while seen and (len(seen) > SEEN_MAX or next(iter(seen.values())) < now - WORKING_SET_S):
-                seen.popitem(last=False)
+            seen, tails = self._seen, self._tails
+            for lately in (seen, tails):
+                while lately and (len(lately) > SEEN_MAX or next(iter(lately.values())) < now - WORKING_SET_S):
+                    lately.popitem(last=False)
             reused = prompt.reused[_geometry(ref)] = {k for k in keys if k in seen}
             for k in keys:
                 seen[k] = now
                 seen.move_to_end(k)
+            if keys:
+                tails[keys[-1]] = now
+                tails.move_to_end(keys[-1])
         cache = self.caches.get(ref.engine_id)
         if cache is not None:
             cache.expect(keys, now, reused)

@@ -29,9 +29,9 @@ through the decode engine's cache, a prefill replica's only that of the requests
 so with caches alike the decode engine's turns over first and a history homed there is the
 one lost, its next turn computing it whole (docs/bench-results.md, routing runs 44-47). So
 the router counts such a loss as `at_risk_tokens` on the local side (Router._stranded_tokens:
-a prompt continuing a history only the decode engine holds, which keeps no copy in the CPU
-tier and has less room for live prefixes than the roomiest prefill replica): the turn then
-goes remote, where kv_aware homes it on the prefill pool. Counted on /metrics by decision and
+a conversation's turn, on a decode engine that keeps no copy in the CPU tier and has less to
+spare than the roomiest prefill replica): the turn then goes remote, where kv_aware homes it
+on the prefill pool. Counted on /metrics by decision and
 reason.
 """
 

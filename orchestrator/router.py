@@ -500,18 +500,16 @@ class Router:
                          facts: Sequence[EngineFacts]) -> float:
         """What a local prefill on `decode` is expected to cost later (disaggregation.decide's
         `at_risk_tokens`): the prompt tokens it would leave there alone (no prefill replica
-        holds them, nor loads them from the tier), at `evict_cost`, when the prompt continues
-        such a history already (a conversation, not a one-off prompt after a shared prefix),
-        `decode` keeps no copy in the CPU tier, and its cache has less to spare beyond what
-        traffic reuses there than the roomiest prefill replica's (CacheView.spare_tokens): the
-        cache all traffic passes through evicts such a history first. 0 otherwise, or when a
-        capacity is unknown."""
+        holds them, nor loads them from the tier), at `evict_cost`, when the prompt is a
+        conversation's turn (CacheView.continues: the next turn reuses them), `decode` keeps
+        no copy in the CPU tier, and its cache has less to spare beyond what traffic reuses
+        there than the roomiest prefill replica's (CacheView.spare_tokens): the cache all
+        traffic passes through evicts such a history first. 0 otherwise, or when a capacity is
+        unknown."""
         assert self.cache is not None
-        if (decode.saves_tier and decode.loads_tier) or not facts:
+        if (decode.saves_tier and decode.loads_tier) or not facts or not self.cache.continues(decode, prompt):
             return 0.0
         held = max(f.cached_tokens + f.loaded_tokens for f in facts)
-        if self.cache.cached_tokens(decode, prompt) <= held:
-            return 0.0
         spare = self.cache.spare_tokens(decode, prompt)
         others = [self.cache.spare_tokens(e, prompt) for e in candidates]
         if spare is None or None in others or spare >= max(t for t in others if t is not None):
