@@ -31,8 +31,7 @@ one lost, its next turn computing it whole (docs/bench-results.md, routing runs 
 the router counts such a loss as `at_risk_tokens` on the local side (Router._stranded_tokens:
 a conversation's turn, on a decode engine that keeps no copy in the CPU tier and has less to
 spare than the roomiest prefill replica): the turn then goes remote, where kv_aware homes it
-on the prefill pool. Counted on /metrics by decision and
-reason.
+on the prefill pool. Counted on /metrics by decision and reason.
 """
 
 from __future__ import annotations
