@@ -612,13 +612,17 @@ class LruEngine(CachingEngine):
         keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
         hit = next((i for i, k in enumerate(keys) if k not in self.lru), len(keys))
         self.computed += len(req.prompt_token_ids) - hit * BLOCK
+        self.store(keys)
+        yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK)
+
+    def store(self, keys: list[int]) -> None:
+        """Cache `keys` as vLLM does a finished request's blocks, evicting the least recent."""
         for k in reversed(keys):
             self.lru.pop(k, None)
             self.lru[k] = None
         while len(self.lru) > self.num_blocks:
             del self.lru[next(iter(self.lru))]
         self.version += 1
-        yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK)
 
 
 def chats(num_chats: int, turns: int, rng: random.Random) -> list[list[int]]:
@@ -711,13 +715,7 @@ class PdLruEngine(LruEngine):
         hand_off = req.kv_transfer_params == {"do_remote_decode": True}
         if not (req.kv_transfer_params and "remote_engine_id" in req.kv_transfer_params):
             self.computed += len(req.prompt_token_ids) - hit * BLOCK
-        stored = keys if hand_off else [as_key(h) for h in self.hasher.hashes(self.history)]
-        for k in reversed(stored):
-            self.lru.pop(k, None)
-            self.lru[k] = None
-        while len(self.lru) > self.num_blocks:
-            del self.lru[next(iter(self.lru))]
-        self.version += 1
+        self.store(keys if hand_off else [as_key(h) for h in self.hasher.hashes(self.history)])
         yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=hit * BLOCK,
                      kv_transfer_params={"remote_engine_id": self.name} if hand_off else None)
 
