@@ -5,6 +5,7 @@ actor's would be in its own process, so routers reach fakes exactly as they reac
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,6 +32,14 @@ class FakeEngineBase:
     fake engines' loop), and may `die()` in it: the token path closes as a killed process's does."""
 
     def __init__(self, *, dead: bool = False) -> None:
+        if dead:
+            # Its process died before any request: nothing answers at its address. The port stays
+            # bound (not listening, so a connect is refused) for the fake's lifetime: freed, the
+            # OS could hand it to the next fake's server, and the router would reach that engine.
+            self._grave = socket.socket()
+            self._grave.bind(("127.0.0.1", 0))
+            self.address = f"tcp://127.0.0.1:{self._grave.getsockname()[1]}"
+            return
         loop = _engines_loop()
 
         async def start() -> StreamServer:
@@ -40,8 +49,6 @@ class FakeEngineBase:
 
         self.server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
         self.address = self.server.address
-        if dead:  # its process died before any request: nothing listens at its address
-            loop.call_soon_threadsafe(self.server.close)
 
     async def _handle(self, req: EngineRequest, emit: Emit) -> None:
         async for out in self.generate(req):
