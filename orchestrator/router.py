@@ -388,9 +388,10 @@ class Router:
                 return candidates[0] if candidates else None
             weights = self.routing.scorers
             tier = self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
-            rooms = [self.cache.room_blocks(e, prompt) for e in candidates]
+            # Room in tokens: engines of one pool may page their caches in blocks of other sizes.
+            rooms = [None if (r := self.cache.room_blocks(e, prompt)) is None else r * e.block_size for e in candidates]
             roomiest = max((r for r in rooms if r is not None), default=0)
-            facts = [self._facts(e, picker, prompt, tier, 0.0 if room is None else (roomiest - room) * e.block_size)
+            facts = [self._facts(e, picker, prompt, tier, 0.0 if room is None else float(roomiest - room))
                      for e, room in zip(candidates, rooms)]
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
