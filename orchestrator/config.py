@@ -24,7 +24,7 @@ from connectors.config import NixlConfig
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TINY = "builtin:tiny"
 # The built-in models (orchestrator.tiny_model.SHAPES), served as "tandem-<name>".
-BUILTIN_MODELS = ("tiny", "small")
+BUILTIN_MODELS = ("tiny", "small", "medium")
 # serve.stream_batch_ms's default where a streamed chunk costs more than a token's step is
 # worth (CPU hosts, Serve's proxy), in seconds: Ray Serve LLM's stream_batching_interval_ms.
 CHUNKED_STREAM_BATCH_S = 0.05

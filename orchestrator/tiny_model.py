@@ -3,8 +3,10 @@
 `builtin:tiny` (2 layers, hidden 128) is what tests, `tandem serve` and most benchmarks run:
 its steps cost almost nothing, so it measures the serving path. `builtin:small` (6 layers,
 hidden 384, 2k context) makes a prefill cost real time on a CPU, which routing benchmarks
-need: there a prefix-cache hit must save something. Both are generated deterministically
-(no hub access) once per cache folder. Outputs are gibberish but deterministic under greedy
+need: there a prefix-cache hit must save something. `builtin:medium` (8 layers, hidden 512)
+makes that cost grow mostly with the tokens computed rather than with a step's fixed part, as
+a served model's prefill does on a GPU (the long-chat routing benchmark). All are generated
+deterministically (no hub access) once per cache folder. Outputs are gibberish but deterministic under greedy
 decoding, which is what equality tests need.
 """
 
@@ -27,6 +29,8 @@ SHAPES: dict[str, dict[str, int]] = {
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": MAX_POSITION_EMBEDDINGS},
     "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
               "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 2048},
+    "medium": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 2048},
 }
 
 CHAT_TEMPLATE = (
