@@ -219,3 +219,17 @@ def test_preflight_names_bad_openai_front_end_flags(flags: list[str], needle: st
 
 def test_preflight_accepts_vllm_front_end_flags() -> None:
     preflight(parse_config({"serve": {"openai_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]}}))
+
+
+@pytest.mark.parametrize("name", ["small", "medium"])
+def test_a_builtin_model_is_generated_with_its_shape_and_known_by_name(name: str, tmp_path: Path) -> None:
+    """builtin:tiny is built by every engine test; the routing benchmarks' larger ones only
+    by the benchmarks: each must build, carry its shape, and pass the model check by name."""
+    from orchestrator.config import BUILTIN_MODELS
+    from orchestrator.preflight import check_model
+    from orchestrator.tiny_model import SHAPES, prepare_builtin_model
+
+    assert BUILTIN_MODELS == tuple(SHAPES)
+    config = json.loads((prepare_builtin_model(name, tmp_path) / "config.json").read_text())
+    assert {k: config[k] for k in SHAPES[name]} == SHAPES[name]
+    check_model(parse_config({"model": {"source": f"builtin:{name}"}}))
