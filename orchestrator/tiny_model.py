@@ -6,8 +6,8 @@ hidden 384, 2k context) makes a prefill cost real time on a CPU, which routing b
 need: there a prefix-cache hit must save something. `builtin:medium` (8 layers, hidden 512)
 makes that cost grow mostly with the tokens computed rather than with a step's fixed part, as
 a served model's prefill does on a GPU (the long-chat routing benchmark). All are generated
-deterministically (no hub access) once per cache folder. Outputs are gibberish but deterministic under greedy
-decoding, which is what equality tests need.
+deterministically (no hub access) once per cache folder. Outputs are gibberish but
+deterministic under greedy decoding, which is what equality tests need.
 """
 
 from __future__ import annotations
