@@ -399,7 +399,7 @@ class EngineActor:
         remaining = num_prompt + params.max_tokens * params.n
         self.load.add(1, remaining)
         self.requests_by_origin[req.origin] += 1
-        self.kv_events.poke()  # routers' view of the load
+        self.kv_events.poke(req.blocks)  # routers' view of the load, and of what its blocks are to traffic
         try:
             # Already rendered by the ingress: a typed token input takes vLLM's direct path (a
             # raw prompt would be rendered again, on the renderer's thread pool, a thread hop
@@ -514,13 +514,17 @@ class EngineActor:
     async def cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
         """What changed in this engine's prefix cache since a router's `version` of
         `incarnation` (every key held, when the router had another incarnation or fell too far
-        behind), with the load now. Waits up to `timeout_s` for a change first (long-poll)."""
+        behind), with the load now and the blocks of the requests that arrived since. Waits up
+        to `timeout_s` for a change first (long-poll)."""
         follower = self.kv_events
         deltas = None
         if incarnation == self.incarnation:
             await follower.wait_changed(version, timeout_s)
             await asyncio.sleep(CACHE_UPDATE_COALESCE_S)
             current, deltas = follower.changes_since(version)
+        # Requests' blocks are news however the cache changed; a router that fell too far
+        # behind misses those the log no longer holds.
+        uses = [u for d in deltas for u in d.uses] if deltas else []
         if deltas is None or any(d.cleared for d in deltas):
             current, held = follower.snapshot()
             full, stored, removed = True, held, []
@@ -534,7 +538,7 @@ class EngineActor:
             removed = [k for k, held_now in net.items() if not held_now]
         return CacheUpdate(self.incarnation, current, full, stored, removed,
                            self.load.num_requests, self.load.num_tokens, self.stats.kv_cache_usage,
-                           dict(self.requests_by_origin))
+                           dict(self.requests_by_origin), uses)
 
     async def watch(self) -> None:
         """Never returns: the pool manager keeps one call pending, which Ray fails as soon as

@@ -3,9 +3,10 @@
 vLLM's scheduler publishes every block it stores in or evicts from its prefix cache
 (BlockStored / BlockRemoved / AllBlocksCleared, `kv_events_config`) on a ZMQ PUB socket. The
 engine actor binds that socket to an ipc path only its own engine core uses, follows it on a
-thread, and keeps the set of block keys held plus a short log of changes; routers follow the
-log by long-poll (EngineActor.cache_updates), so every ingress replica derives the same view
-from the same events and a restarted engine (a new incarnation) starts from an empty one.
+thread, and keeps the set of block keys held plus a short log of changes (and of the blocks
+each arriving request's router saw, EngineRequest.blocks); routers follow the log by
+long-poll (EngineActor.cache_updates), so every ingress replica derives the same view from the
+same feed and a restarted engine (a new incarnation) starts from an empty one.
 
 A block key is vLLM's block hash reduced to 64 bits, exactly as vLLM publishes it by default
 (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); `PrefixHasher` and `as_key` compute the same keys from a
@@ -25,10 +26,15 @@ from typing import Any
 import msgspec
 import zmq
 
+from actors.protocol import BlockUse
+
 logger = logging.getLogger("tandem.kv_events")
 
 # Changes kept for routers that fall behind; one further behind gets the whole set instead.
 MAX_LOG = 4096
+# The most requests' block keys (CacheDelta.uses) the log keeps, about 36 MB: long prompts
+# shorten the log rather than grow the engine actor's memory with it.
+MAX_LOG_USE_KEYS = 1_000_000
 _MASK64 = (1 << 64) - 1
 
 
@@ -75,12 +81,14 @@ def hash_settings(engine_args: dict[str, Any]) -> tuple[str, str]:
 
 
 class CacheDelta(msgspec.Struct, frozen=True):
-    """Keys stored and removed by one batch of events (`cleared`: everything went first)."""
+    """Keys stored and removed by one batch of events (`cleared`: everything went first), or
+    the blocks of a request that arrived (`uses`)."""
 
     version: int
     stored: list[int]
     removed: list[int]
     cleared: bool = False
+    uses: list[BlockUse] = []
 
 
 class KVEventFollower:
@@ -98,7 +106,8 @@ class KVEventFollower:
         self.endpoint = endpoint
         self.held: set[int] = set()
         self.version = 0
-        self.log: deque[CacheDelta] = deque(maxlen=MAX_LOG)
+        self.log: deque[CacheDelta] = deque()
+        self._log_use_keys = 0
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
@@ -142,15 +151,16 @@ class KVEventFollower:
             elif kind in ("BlockStored", "BlockRemoved"):
                 net.update(dict.fromkeys((as_key(h) for h in ev.block_hashes), kind == "BlockStored"))
         if net or cleared:
-            self._change([k for k, held in net.items() if held], [k for k, held in net.items() if not held], cleared)
+            self._change([k for k, held in net.items() if held], [k for k, held in net.items() if not held], cleared, [])
 
-    def poke(self) -> None:
-        """Something routers read with the cache changed (the engine's load: a request arrived
-        or left). It takes a version of its own, an empty delta, so that a router between two
-        calls when it happens still sees it at once instead of at its next timeout."""
-        self._change([], [], False)
+    def poke(self, use: BlockUse | None = None) -> None:
+        """Something routers read with the cache changed (the engine's load: a request arrived,
+        with the blocks its router saw in `use`, or left). It takes a version of its own, a
+        delta with no keys, so that a router between two calls when it happens still sees it at
+        once instead of at its next timeout."""
+        self._change([], [], False, [use] if use is not None else [])
 
-    def _change(self, stored: list[int], removed: list[int], cleared: bool) -> None:
+    def _change(self, stored: list[int], removed: list[int], cleared: bool, uses: list[BlockUse]) -> None:
         """Apply one change, log it under the next version and wake every `wait_changed`."""
         with self._lock:
             if cleared:
@@ -158,7 +168,10 @@ class KVEventFollower:
             self.held.update(stored)
             self.held.difference_update(removed)
             self.version += 1
-            self.log.append(CacheDelta(self.version, stored, removed, cleared))
+            self.log.append(CacheDelta(self.version, stored, removed, cleared, uses))
+            self._log_use_keys += sum(len(u.keys) for u in uses)
+            while len(self.log) > MAX_LOG or self._log_use_keys > MAX_LOG_USE_KEYS:
+                self._log_use_keys -= sum(len(u.keys) for u in self.log.popleft().uses)
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)

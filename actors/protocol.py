@@ -26,6 +26,16 @@ def merge_deltas(earlier: Any, later: Any) -> Any:
     return earlier
 
 
+class BlockUse(msgspec.Struct, frozen=True, array_like=True):
+    """A request's prompt blocks as the router that sent it saw them: the block keys in order,
+    the first `reused` of them used by an earlier request (on any engine). The engine echoes
+    it to every router that follows it (CacheUpdate.uses), so each router learns what the
+    others' requests use, as if it had sent them (orchestrator.cache_view)."""
+
+    keys: list[int]
+    reused: int
+
+
 class EngineRequest(msgspec.Struct, frozen=True):
     """One request for one engine. The ingress renders OpenAI requests with vLLM's own serving
     layer, so the prompt arrives as token ids and the sampling settings as vLLM's
@@ -54,6 +64,8 @@ class EngineRequest(msgspec.Struct, frozen=True):
     # AsyncLLM.generate the serving layer passed (priority, reasoning_ended, ...).
     prompt_fields: dict[str, Any] = {}
     generate_kwargs: dict[str, Any] = {}
+    # The prompt's blocks for the routers following this engine's cache (None: none does).
+    blocks: BlockUse | None = None
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -119,6 +131,9 @@ class CacheUpdate(msgspec.Struct, frozen=True):
     kv_cache_usage: float
     # num_requests by EngineRequest.origin (origins with none left out).
     requests_by_origin: dict[str, int] = {}
+    # The blocks of the requests that arrived since `version` (EngineRequest.blocks), in order;
+    # none in a full update.
+    uses: list[BlockUse] = []
 
 
 class TransferStats(msgspec.Struct):

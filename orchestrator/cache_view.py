@@ -2,9 +2,11 @@
 
 Every router (one per ingress replica) follows every engine it routes to by long-poll
 (EngineActor.cache_updates): the block keys vLLM's own KV events say the engine stored or
-evicted, and the engine's load, counted over every router. All ingress replicas therefore
-derive the same view from the same events, with no shared state to keep consistent; a
-restarted engine is a new incarnation and starts from an empty view.
+evicted, the engine's load, counted over every router, and the blocks of every request that
+arrived there, as the router that sent it claimed them (EngineRequest.blocks): which of them
+traffic reuses, which no event says. All ingress replicas therefore derive the same view
+from the same feed, with no shared state to keep consistent; a restarted engine is a new
+incarnation and starts from an empty view.
 
 Events lag a request by an engine step or two, so a router also counts the blocks of the
 requests it just sent to an engine as held there for a few seconds (`expect`): a burst of
@@ -21,7 +23,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -31,7 +33,7 @@ from ray.exceptions import RayError
 
 from actors.kv_events import PrefixHasher, as_key
 from actors.kv_index import TierChanges
-from actors.protocol import CacheUpdate
+from actors.protocol import BlockUse, CacheUpdate
 from orchestrator.background import spawn
 from orchestrator.protocol import EngineRef
 
@@ -135,20 +137,20 @@ class EngineCache:
             wanted.popitem(last=False)
         return len(wanted) - sum(k in wanted for k in keys)
 
-    def expect(self, keys: Sequence[int], now: float, reused: Collection[int] = ()) -> None:
+    def expect(self, keys: Sequence[int], now: float, reused: int = 0) -> None:
         """A request using `keys` was sent here: they count as held for EXPECT_TTL_S (until
-        events say otherwise), and those of them in `reused` as live now."""
+        events say otherwise), and the first `reused` of them as live now."""
         deadline = now + EXPECT_TTL_S
         if len(self.expected) > 4 * len(keys) + 1024:  # drop the expired before growing further
             self.expected = {k: t for k, t in self.expected.items() if t >= now}
         for k in keys:
             if k not in self.held:
                 self.expected[k] = deadline
-            if k in reused:
-                self.live[k] = now
-                self.live.move_to_end(k)
-                self.wanted[k] = now
-                self.wanted.move_to_end(k)
+        for k in keys[:reused]:
+            self.live[k] = now
+            self.live.move_to_end(k)
+            self.wanted[k] = now
+            self.wanted.move_to_end(k)
 
 
 class TierView:
@@ -204,9 +206,10 @@ class PromptKeys:
         self._by_hasher: dict[tuple[str, str, int], tuple[list[bytes], list[int]]] = {}
         # The CPU tier's run of the prompt, by node (CacheView.tier_prefix), once per request.
         self.tier: dict[str, int] | None = None
-        # The prompt's block keys an earlier request used, per block geometry (CacheView.expect),
-        # found at the request's first claim: its prefill's and its decode's claims alike.
-        self.reused: dict[tuple[str, str, int], set[int]] = {}
+        # The prompt's blocks and how many of them an earlier request used, per block geometry
+        # (CacheView.expect), found at the request's first claim: its prefill's and its
+        # decode's claims alike.
+        self.uses: dict[tuple[str, str, int], BlockUse] = {}
 
     def for_engine(self, ref: EngineRef) -> tuple[list[bytes], list[int]]:
         spec = _geometry(ref)
@@ -270,6 +273,8 @@ class CacheView:
                 logger.info("engine %s is a new incarnation (%s); its prefix view starts anew",
                             cache.ref.engine_id, update.incarnation)
             cache.apply(update)
+            if update.uses:
+                self._heard(cache, update.uses)
 
     async def _follow_tier(self, tier: TierView) -> None:
         """Follow the index's feed of changes; ask it over Ray at the start, after a gap in the
@@ -375,28 +380,54 @@ class CacheView:
 
     def expect(self, ref: EngineRef, prompt: PromptKeys) -> None:
         """The prompt goes to `ref`: its blocks count as held there until its events catch up,
-        and those an earlier request used (there or elsewhere) as live there. A chat's history
-        is live where its next turn goes, and a history the chat left behind is not. A
-        request's own claims (its prefill's, then its decode's) are one use: the second does
-        not find the first's blocks reused."""
+        and the run of them an earlier request used (there or elsewhere) as live there. A
+        chat's history is live where its next turn goes, and a history the chat left behind is
+        not. A request's own claims (its prefill's, then its decode's) are one use: the second
+        does not find the first's blocks reused. The request carries the same (`block_use`),
+        so that every other router hears of it from the engine."""
         now = time.monotonic()
-        _, keys = prompt.for_engine(ref)
-        reused = prompt.reused.get(_geometry(ref))
-        if reused is None:
-            seen, tails = self._seen, self._tails
-            for lately in (seen, tails):
-                while lately and (len(lately) > SEEN_MAX or next(iter(lately.values())) < now - WORKING_SET_S):
-                    lately.popitem(last=False)
-            reused = prompt.reused[_geometry(ref)] = {k for k in keys if k in seen}
-            for k in keys:
-                seen[k] = now
-                seen.move_to_end(k)
-            if keys:
-                tails[keys[-1]] = now
-                tails.move_to_end(keys[-1])
+        use = prompt.uses.get(_geometry(ref))
+        if use is None:
+            _, keys = prompt.for_engine(ref)
+            self._forget(now)
+            reused = next((i for i, k in enumerate(keys) if k not in self._seen), len(keys))
+            use = prompt.uses[_geometry(ref)] = BlockUse(keys, reused)
+            self._note(use, now)
         cache = self.caches.get(ref.engine_id)
         if cache is not None:
-            cache.expect(keys, now, reused)
+            cache.expect(use.keys, now, use.reused)
+
+    def block_use(self, ref: EngineRef, prompt: PromptKeys) -> BlockUse | None:
+        """What a request claimed on `ref` tells the routers following the engine
+        (EngineRequest.blocks); None when none follows it."""
+        return prompt.uses.get(_geometry(ref)) if ref.engine_id in self.caches else None
+
+    def _heard(self, cache: EngineCache, uses: Sequence[BlockUse]) -> None:
+        """Requests of any router (this one's too) arrived at the engine `cache` follows:
+        taken as if this router had sent them there."""
+        now = time.monotonic()
+        self._forget(now)
+        for use in uses:
+            self._note(use, now)
+            cache.expect(use.keys, now, use.reused)
+
+    def _note(self, use: BlockUse, now: float) -> None:
+        """A request used these blocks: later ones using them reuse them, and a prompt that
+        holds its last block continues it. Its first blocks are the latest used, so that
+        `SEEN_MAX` forgets a prompt's last blocks first and a reused run stays a run."""
+        seen, tails = self._seen, self._tails
+        for k in reversed(use.keys):
+            seen[k] = now
+            seen.move_to_end(k)
+        if use.keys:
+            tails[use.keys[-1]] = now
+            tails.move_to_end(use.keys[-1])
+
+    def _forget(self, now: float) -> None:
+        """Drop the uses older than WORKING_SET_S, and the least recent past SEEN_MAX."""
+        for lately in (self._seen, self._tails):
+            while lately and (len(lately) > SEEN_MAX or next(iter(lately.values())) < now - WORKING_SET_S):
+                lately.popitem(last=False)
 
     def seen(self, engine_id: str) -> EngineCache | None:
         """What the router last heard from the engine (its load included), if anything."""

@@ -55,7 +55,7 @@ import msgspec
 from ray.exceptions import RayError
 
 from actors.kv_index import TIER_HINT
-from actors.protocol import EngineRequest, Role, merge_deltas
+from actors.protocol import BlockUse, EngineRequest, Role, merge_deltas
 from actors.stream import EngineStreams, RemoteError, StreamLost
 from connectors.config import PREFILLED_TOKENS
 from orchestrator.background import outlive
@@ -668,7 +668,8 @@ class Router:
         when that token is all the client asked for)."""
         hand_off = {"do_remote_decode": True} if not forward or request.sampling.max_tokens > 1 else None
         req = msgspec.structs.replace(request, request_id=request_id, origin=self.origin,
-                                      kv_transfer_params=self._tier_hint(engine, prompt, hand_off))
+                                      kv_transfer_params=self._tier_hint(engine, prompt, hand_off),
+                                      blocks=self._blocks(engine, prompt))
         if not forward:
             return await _for_kv_only(self.streams, engine, req, self._held_kv_releaser(request_id))
         first = req.sampling.clone()
@@ -685,6 +686,11 @@ class Router:
             return kv_params
         held = self.cache.tier_blocks(engine, prompt)
         return kv_params if held is None else {**(kv_params or {}), TIER_HINT: held}
+
+    def _blocks(self, engine: EngineRef, prompt: PromptKeys | None) -> BlockUse | None:
+        """The prompt's blocks as this router claimed them on `engine`, for the engine to pass
+        on to every router following it (CacheView.block_use)."""
+        return None if prompt is None or self.cache is None else self.cache.block_use(engine, prompt)
 
     def _held_kv_releaser(self, request_id: str) -> Callable[[dict[str, Any]], Awaitable[None]]:
         async def release(kv_params: dict[str, Any]) -> None:
@@ -789,6 +795,7 @@ class Router:
                 stream_batch_s=self.stream_batch_s,
                 resume_from=len(prompt_ids) if resumed else None,
                 origin=self.origin,
+                blocks=self._blocks(engine, prompt),
                 # The text of a resumed prompt is not the client's prompt: vLLM works from the ids.
                 prompt_fields={k: v for k, v in request.prompt_fields.items() if k != "prompt"} if resumed else request.prompt_fields,
             )

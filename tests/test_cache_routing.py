@@ -14,6 +14,7 @@ tier, two ingress replicas sharing one port, the official openai client.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Iterator
 
@@ -206,7 +207,10 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
     holds, and nothing else is live there); so is chat C's first turn. C's second turn would
     leave C's history on the decode engine alone, whose cache now holds B's live history and
     so has less room than a prefill engine's: it goes remote ("stranded_history"). With the
-    tier behind the decode engine (the deployment as it runs) the same turns all stay local."""
+    tier behind the decode engine (the deployment as it runs) the same turns all stay local.
+    Two routers (as two ingress replicas) send the turns, the first and last by one, the
+    middle two by the other: the router judging C's second turn sent neither C's first nor
+    B's second, and hears of them from the engines (EngineRequest.blocks)."""
     import msgspec
 
     from orchestrator.cache_view import CacheView
@@ -217,26 +221,30 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
     def turns(seed: int, no_tier: bool) -> tuple[list[str], dict[str, int]]:
         engines = [msgspec.structs.replace(e, saves_tier=False) if e.role == "decode" and no_tier else e
                    for e in pd.deployment.routing_engines()]
-        router = Router(engines, routing, cache_view=CacheView())  # the tier's index unseen either way
+        # The tier's index unseen either way.
+        routers = [Router(engines, routing, cache_view=CacheView()) for _ in range(2)]
         b1, c1 = prompt(seed, 104), prompt(seed + 1, 104)
         sequence = [b1, b1 + prompt(seed + 2, 40), c1, c1 + prompt(seed + 3, 40)]
 
         async def go() -> list[str]:
-            assert router.cache is not None
-            router.cache.sync()
+            for router in routers:
+                assert router.cache is not None
+                router.cache.sync()
             await asyncio.sleep(1.0)
             decisions = []
-            for i, ids in enumerate(sequence):
+            for i, (ids, sender) in enumerate(zip(sequence, (0, 1, 1, 0))):
                 trace = RequestTrace()
                 req = EngineRequest(f"home-{seed}-{i}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=2, temperature=0.0))
-                async for _ in router.generate(req, trace):
+                async for _ in routers[sender].generate(req, trace):
                     pass
                 decisions.append(str(trace.disaggregation))
-                await asyncio.sleep(1.0)  # the engines' events reach the view
-            await router.close()
+                await asyncio.sleep(1.0)  # the engines' events reach the views
+            for router in routers:
+                await router.close()
             return decisions
 
-        return asyncio.run(asyncio.wait_for(go(), timeout=120)), dict(router.stats.decisions)
+        decisions = asyncio.run(asyncio.wait_for(go(), timeout=120))
+        return decisions, dict(sum((collections.Counter(r.stats.decisions) for r in routers), collections.Counter()))
 
     decisions, counted = turns(600, no_tier=True)
     assert decisions == ["local", "local", "local", "remote"], (decisions, counted)

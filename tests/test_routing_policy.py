@@ -20,9 +20,9 @@ import zmq
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
-from actors.kv_events import KVEventFollower, PrefixHasher, as_key
+from actors.kv_events import MAX_LOG_USE_KEYS, CacheDelta, KVEventFollower, PrefixHasher, as_key
 from actors.kv_index import TIER_HINT, TierChanges
-from actors.protocol import CacheUpdate, EngineRequest
+from actors.protocol import BlockUse, CacheUpdate, EngineRequest
 from connectors.config import PREFILLED_TOKENS
 from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
@@ -126,6 +126,15 @@ def test_a_load_change_between_two_router_calls_is_not_missed(tmp_path: Path) ->
         asyncio.run(asyncio.wait_for(follower.wait_changed(v, timeout_s=3600.0), timeout=10.0))
         current, deltas = follower.changes_since(v)  # an empty delta, not a full snapshot
         assert current == v + 1 and deltas is not None and not deltas[0].stored and not deltas[0].removed
+        # A request's arrival carries its blocks, for every router following the engine.
+        follower.poke(BlockUse([5, 6], 1))
+        assert follower.changes_since(v + 1)[1] == [CacheDelta(v + 2, [], [], False, [BlockUse([5, 6], 1)])]
+        # Long prompts shorten the log instead of growing the engine's memory: a router that
+        # far behind re-reads the held set.
+        long_prompt = BlockUse(list(range(100_000)), 0)
+        for _ in range(MAX_LOG_USE_KEYS // 100_000 + 1):
+            follower.poke(long_prompt)
+        assert follower.changes_since(v + 1)[1] is None and follower.changes_since(v + 3)[1] is not None
     finally:
         follower.close()
 
@@ -162,8 +171,8 @@ def test_the_working_set_is_what_requests_sent_there_reused_lately_and_it_still_
     cache.apply(CacheUpdate("i1", 1, True, [1, 2, 3, 4, 5], [], 0, 0, 0.0))
     cache.expect([1, 2, 3], now=0.0)
     assert cache.working_set(now=0.0) == 0  # a first use: a one-off question's blocks do not count
-    cache.expect([1, 2, 4], now=10.0, reused={1, 2})
-    cache.expect([1, 2, 4, 6], now=50.0, reused={1, 2, 4, 6})  # 6 expected, never stored
+    cache.expect([1, 2, 4], now=10.0, reused=2)
+    cache.expect([1, 2, 4, 6], now=50.0, reused=4)  # 6 expected, never stored
     assert cache.working_set(now=51.0) == 4 and cache.live_blocks([1, 3, 4, 6]) == 3
     cache.apply(CacheUpdate("i1", 2, False, [], [2], 0, 0, 0.0))  # vLLM evicted 2
     assert cache.working_set(now=51.0) == 3
@@ -173,7 +182,7 @@ def test_the_working_set_is_what_requests_sent_there_reused_lately_and_it_still_
     # 6, never stored, counts as long as a block reused before it; then none is left.
     assert cache.working_set(now=WORKING_SET_S + 49.0) == 3
     assert cache.working_set(now=WORKING_SET_S + 51.0) == 0
-    cache.expect([1, 5], now=200.0, reused={1, 5})
+    cache.expect([1, 5], now=200.0, reused=2)
     assert cache.working_set(now=201.0) == 2
     cache.apply(CacheUpdate("i2", 1, True, [1, 5], [], 0, 0, 0.0))  # a restarted engine
     assert cache.working_set(now=201.0) == 0
@@ -597,6 +606,13 @@ class LruEngine(CachingEngine):
         self.lru: dict[int, None] = {}  # insertion order = eviction order
         self.version = 0
         self.computed = 0
+        self.uses: list[tuple[int, BlockUse]] = []  # the requests' blocks, by the version they came at
+
+    def arrived(self, req: EngineRequest) -> None:
+        """As the engine actor does: a request's blocks take a version, for its routers."""
+        if req.blocks is not None:
+            self.version += 1
+            self.uses.append((self.version, req.blocks))
 
     def ref(self, role: str) -> EngineRef:
         return msgspec.structs.replace(super().ref(role), num_blocks=self.num_blocks)
@@ -606,9 +622,11 @@ class LruEngine(CachingEngine):
         deadline = time.monotonic() + timeout_s
         while version == self.version and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
-        return CacheUpdate("i0", self.version, True, list(self.lru), [], 0, 0, 0.0)
+        uses = [u for v, u in self.uses if v > version] if incarnation == "i0" else []
+        return CacheUpdate("i0", self.version, True, list(self.lru), [], 0, 0, 0.0, {}, uses)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        self.arrived(req)
         keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
         hit = next((i for i, k in enumerate(keys) if k not in self.lru), len(keys))
         self.computed += len(req.prompt_token_ids) - hit * BLOCK
@@ -710,6 +728,7 @@ class PdLruEngine(LruEngine):
     history: list[int] = []
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        self.arrived(req)
         keys = [as_key(h) for h in self.hasher.hashes(req.prompt_token_ids)]
         hit = next((i for i, k in enumerate(keys) if k not in self.lru), len(keys))
         hand_off = req.kv_transfer_params == {"do_remote_decode": True}
@@ -721,22 +740,23 @@ class PdLruEngine(LruEngine):
 
 
 def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
-                retokenized: bool = False) -> tuple[list[int], int]:
+                retokenized: bool = False, routers: int = 1) -> tuple[list[int], int]:
     """Chats after one system prompt, turn by turn in a new order each turn, one request at a
     time, through kv_aware on 2 prefill engines of 390 blocks and a decode engine of
     `decode_blocks` (a turn: 2-6 blocks from the user, a 2-block reply; 16 chats' histories
     reach about 580 blocks). `retokenized`: the next turn carries the reply as other tokens
     than the engine generated (a client sending text through a chat template), so the
-    decode engine's reply blocks match nothing. Returns the prompt tokens each request
-    computed, and how many were prefilled locally."""
+    decode engine's reply blocks match nothing. `routers`: ingress replicas, each chat's turns
+    sent by each in turn. Returns the prompt tokens each request computed, and how many were
+    prefilled locally."""
 
     async def run() -> tuple[list[int], int]:
         rng = random.Random(0)
         prefill = [PdLruEngine("p0", 390), PdLruEngine("p1", 390)]
         decode = PdLruEngine("d", decode_blocks)
         engines = [*prefill, decode]
-        router = Router([prefill[0].ref("prefill"), prefill[1].ref("prefill"), decode.ref("decode")],
-                        RoutingConfig(policy="kv_aware", disaggregation=disaggregation))
+        ingress = [Router([prefill[0].ref("prefill"), prefill[1].ref("prefill"), decode.ref("decode")],
+                          RoutingConfig(policy="kv_aware", disaggregation=disaggregation)) for _ in range(routers)]
         histories = [list(range(1000, 1000 + 8 * BLOCK)) for _ in range(chats)]
         computed, local = [], 0
         for turn in range(turns):
@@ -747,13 +767,14 @@ def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
                 before = sum(e.computed for e in engines)
                 trace = RequestTrace()
                 request = EngineRequest(f"c{c}-{turn}", list(histories[c]), SamplingParams(max_tokens=2))
-                async for _ in router.generate(request, trace):
+                async for _ in ingress[(c + turn) % routers].generate(request, trace):
                     pass
                 await asyncio.sleep(0.005)  # the engines' events reach the view
                 histories[c] += reply
                 computed.append(sum(e.computed for e in engines) - before)
                 local += trace.disaggregation == "local"
-        await router.close()
+        for router in ingress:
+            await router.close()
         return computed, local
 
     return asyncio.run(asyncio.wait_for(run(), timeout=120))
@@ -782,6 +803,21 @@ def test_conditional_homes_conversations_where_their_histories_are_kept() -> Non
     assert local == 96 and sum(roomy) < 0.75 * sum(always), (local, sum(roomy), sum(always))
     _, local = replay_2p1d("conditional", 48, 1, 390)
     assert local == 48
+
+
+def test_ingress_replicas_hear_of_each_others_requests_from_the_engines() -> None:
+    """The replay above with two ingress replicas, each chat's turns sent by each in turn:
+    every request's blocks reach both routers from the engines (EngineRequest.blocks, echoed
+    in CacheUpdate.uses), so each knows a turn continues a chat and which histories are live
+    where, as one router does. Before, each router saw every other turn of a chat: under
+    conditional it took them for one-off prompts and kept twice as many local, leaving
+    histories on the decode engine that later turns computed whole (1.18x the tokens of one
+    router), and kv_aware, blind to half the live histories, crowded caches (1.08x)."""
+    for disaggregation in ("conditional", "always"):
+        one, one_local = replay_2p1d(disaggregation, 16, 6, 390)
+        two, two_local = replay_2p1d(disaggregation, 16, 6, 390, routers=2)
+        assert sum(two) <= 1.03 * sum(one) and abs(two_local - one_local) <= 2, (
+            disaggregation, sum(two), sum(one), two_local, one_local)
 
 
 def test_routers_follow_only_the_pools_whose_caches_they_look_at() -> None:
