@@ -362,12 +362,14 @@ class CacheView:
         return max(0, ref.num_blocks - (live - own))
 
     def continues(self, ref: EngineRef, prompt: PromptKeys) -> bool:
-        """Whether the prompt extends one a request of this router sent lately (it holds that
-        prompt's last full block): a conversation's next turn, which the turn after it will
-        extend in turn, and not a one-off prompt after a shared prefix, whose blocks past the
-        prefix no one reuses."""
+        """Whether the prompt extends one a router sent lately (it holds that prompt's last
+        full block and goes on for at least a block more): a conversation's next turn, which
+        the turn after it will extend in turn, and not a one-off prompt after a shared
+        prefix, whose blocks past the prefix no one reuses, nor the same prompt again, nor
+        one that differs from an earlier one only within its last block (a shared prefix
+        with a short question after it)."""
         tails = self._tails
-        return any(k in tails for k in prompt.for_engine(ref)[1])
+        return any(k in tails for k in prompt.for_engine(ref)[1][:-1])
 
     def spare_tokens(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
         """Tokens of engine `ref`'s prefix cache left over by what traffic sent there reuses,

@@ -216,6 +216,10 @@ def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
     # question after the same prefix does not.
     assert view.continues(a, view.prompt(list(range(7000, 7000 + 4 * BLOCK + 5)) + [1] * BLOCK))
     assert not view.continues(a, view.prompt(list(range(7000, 7000 + 3 * BLOCK)) + [1] * BLOCK))
+    # Nor does the same prompt again, or another question whose first block past the earlier
+    # prompt's last is not full (it differed only within that block).
+    assert not view.continues(a, view.prompt(list(range(7000, 7000 + 4 * BLOCK))))
+    assert not view.continues(a, view.prompt(list(range(7000, 7000 + 4 * BLOCK)) + [1] * (BLOCK - 1)))
 
 
 def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0,
