@@ -30,10 +30,12 @@ class BlockUse(msgspec.Struct, frozen=True, array_like=True):
     """A request's prompt blocks as the router that sent it saw them: the block keys in order,
     the first `reused` of them used by an earlier request (on any engine). The engine echoes
     it to every router that follows it (CacheUpdate.uses), so each router learns what the
-    others' requests use, as if it had sent them (orchestrator.cache_view)."""
+    others' requests use, as if it had sent them (orchestrator.cache_view); `origin`, the
+    sender's EngineRequest.origin, tells a router its own."""
 
     keys: list[int]
     reused: int
+    origin: str
 
 
 class EngineRequest(msgspec.Struct, frozen=True):

@@ -23,6 +23,7 @@ import collections
 import logging
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -226,6 +227,10 @@ class CacheView:
     def __init__(self, tier_index: Any | None = None) -> None:
         """`tier_index`: the CPU tier's KVIndexActor handle, None when there is no tier."""
         self.tier_index = tier_index
+        # Tags the uses of the requests of the router this view is for (BlockUse.origin,
+        # EngineRequest.origin), which it applies when it claims them, not again when the
+        # engines pass them on.
+        self.origin = uuid.uuid4().hex[:12]
         self.tier = TierView() if tier_index is not None else None
         self._tier_task: asyncio.Task[None] | None = None
         self.caches: dict[str, EngineCache] = {}
@@ -393,7 +398,7 @@ class CacheView:
             _, keys = prompt.for_engine(ref)
             self._forget(now)
             reused = next((i for i, k in enumerate(keys) if k not in self._seen), len(keys))
-            use = prompt.uses[_geometry(ref)] = BlockUse(keys, reused)
+            use = prompt.uses[_geometry(ref)] = BlockUse(keys, reused, self.origin)
             self._note(use, now)
         cache = self.caches.get(ref.engine_id)
         if cache is not None:
@@ -405,11 +410,13 @@ class CacheView:
         return prompt.uses.get(_geometry(ref)) if ref.engine_id in self.caches else None
 
     def _heard(self, cache: EngineCache, uses: Sequence[BlockUse]) -> None:
-        """Requests of any router (this one's too) arrived at the engine `cache` follows:
-        taken as if this router had sent them there."""
+        """Requests of other routers arrived at the engine `cache` follows: taken as if this
+        router had sent them there."""
         now = time.monotonic()
         self._forget(now)
         for use in uses:
+            if use.origin == self.origin:
+                continue
             self._note(use, now)
             cache.expect(use.keys, now, use.reused)
 

@@ -333,8 +333,9 @@ class Router:
         # Decode engine id -> prompt tokens of this router's local prefills there that have
         # not produced their first token (conditional disaggregation's queue).
         self._local_queued: dict[str, float] = {}
-        # Tags this router's engine requests (EngineRequest.origin).
-        self.origin = uuid.uuid4().hex[:12]
+        # Tags this router's engine requests (EngineRequest.origin): its cache view's tag,
+        # which the blocks of its requests carry too.
+        self.origin = self.cache.origin if self.cache is not None else uuid.uuid4().hex[:12]
         # The token path to each engine (requests out, outputs back).
         self.streams = EngineStreams()
         self.set_engines(engines)

@@ -127,11 +127,11 @@ def test_a_load_change_between_two_router_calls_is_not_missed(tmp_path: Path) ->
         current, deltas = follower.changes_since(v)  # an empty delta, not a full snapshot
         assert current == v + 1 and deltas is not None and not deltas[0].stored and not deltas[0].removed
         # A request's arrival carries its blocks, for every router following the engine.
-        follower.poke(BlockUse([5, 6], 1))
-        assert follower.changes_since(v + 1)[1] == [CacheDelta(v + 2, [], [], False, [BlockUse([5, 6], 1)])]
+        follower.poke(BlockUse([5, 6], 1, "r1"))
+        assert follower.changes_since(v + 1)[1] == [CacheDelta(v + 2, [], [], False, [BlockUse([5, 6], 1, "r1")])]
         # Long prompts shorten the log instead of growing the engine's memory: a router that
         # far behind re-reads the held set.
-        long_prompt = BlockUse(list(range(100_000)), 0)
+        long_prompt = BlockUse(list(range(100_000)), 0, "r1")
         for _ in range(MAX_LOG_USE_KEYS // 100_000 + 1):
             follower.poke(long_prompt)
         assert follower.changes_since(v + 1)[1] is None and follower.changes_since(v + 3)[1] is not None
