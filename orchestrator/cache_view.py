@@ -352,18 +352,17 @@ class CacheView:
         stored = len(prompt.for_engine(ref)[1]) - cached_tokens // ref.block_size
         return max(0, stored - free) * ref.block_size
 
-    def room_blocks(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
+    def room_blocks(self, ref: EngineRef, prompt: PromptKeys, cached_tokens: int) -> int | None:
         """Blocks of engine `ref`'s prefix cache that other prefixes' live blocks leave for
         this prompt's new ones and what grows from them (EngineCache.working_set; the prompt's
-        own cached run is what it reuses, not competition for room); None when its capacity
-        is unknown."""
+        own cached run, its `cached_tokens`, is what it reuses, not competition for room);
+        None when its capacity is unknown."""
         cache = self.caches.get(ref.engine_id)
         if cache is None or not ref.num_blocks:
             return None
-        now = time.monotonic()
-        live = cache.working_set(now)
+        live = cache.working_set(time.monotonic())
         _, keys = prompt.for_engine(ref)
-        own = cache.live_blocks(keys[: cache.prefix_blocks(keys, now)])
+        own = cache.live_blocks(keys[: cached_tokens // ref.block_size])
         return max(0, ref.num_blocks - (live - own))
 
     def continues(self, ref: EngineRef, prompt: PromptKeys) -> bool:

@@ -389,11 +389,13 @@ class Router:
                 return candidates[0] if candidates else None
             weights = self.routing.scorers
             tier = self.cache.tier_prefix(candidates[0], prompt) if weights.tier or weights.work else {}
+            cached = [self.cache.cached_tokens(e, prompt) for e in candidates]
             # Room in tokens: engines of one pool may page their caches in blocks of other sizes.
-            rooms = [None if (r := self.cache.room_blocks(e, prompt)) is None else r * e.block_size for e in candidates]
+            rooms = [None if (r := self.cache.room_blocks(e, prompt, c)) is None else r * e.block_size
+                     for e, c in zip(candidates, cached)]
             roomiest = max((r for r in rooms if r is not None), default=0)
-            facts = [self._facts(e, picker, prompt, tier, 0.0 if room is None else float(roomiest - room))
-                     for e, room in zip(candidates, rooms)]
+            facts = [self._facts(e, picker, prompt, tier, c, 0.0 if room is None else float(roomiest - room))
+                     for e, c, room in zip(candidates, cached, rooms)]
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
         return engine
@@ -442,10 +444,11 @@ class Router:
         return self._tier_tokens(engine, tier, cached)
 
     def _facts(self, engine: EngineRef, picker: EnginePicker, prompt: PromptKeys, tier: dict[str, int],
-               crowded_tokens: float = 0.0) -> EngineFacts:
+               cached: int, crowded_tokens: float = 0.0) -> EngineFacts:
+        """What the router knows of `engine` for this request, which finds `cached` of its
+        prompt tokens in the engine's prefix cache (CacheView.cached_tokens)."""
         assert self.cache is not None
         seen = self.cache.seen(engine.engine_id)
-        cached = self.cache.cached_tokens(engine, prompt)
         outstanding = self._outstanding(engine, picker)
         mine = picker.outstanding.get(engine.engine_id, 0)
         return EngineFacts(
@@ -483,7 +486,7 @@ class Router:
             cached += self._tier_tokens(decode, tier, cached)
             n = len(prompt.token_ids)
             candidates = picker.candidates()
-            facts = [self._facts(e, picker, prompt, tier) for e in candidates]
+            facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
             ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
         busy = [self._outstanding(e, picker) for e in picker.healthy()]

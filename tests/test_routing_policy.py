@@ -188,6 +188,12 @@ def test_the_working_set_is_what_requests_sent_there_reused_lately_and_it_still_
     assert cache.working_set(now=201.0) == 0
 
 
+def room(view: Any, ref: EngineRef, tokens: list[int]) -> int | None:
+    """CacheView.room_blocks for a prompt of `tokens`, its cached run as the router finds it."""
+    prompt = view.prompt(tokens)
+    return view.room_blocks(ref, prompt, view.cached_tokens(ref, prompt))
+
+
 def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
     """A chat's history becomes live on the engine its next turn goes to, even when that turn
     moved it there; the engine it left keeps the history, not as live."""
@@ -198,12 +204,12 @@ def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
     view.set_engines([a, b])
     turn1 = list(range(2000, 2000 + 3 * BLOCK))
     view.expect(a, view.prompt(turn1))
-    assert view.room_blocks(a, view.prompt([9] * BLOCK)) == 100  # used once: nothing live yet
+    assert room(view, a, [9] * BLOCK) == 100  # used once: nothing live yet
     view.expect(b, view.prompt(turn1 + list(range(5000, 5000 + 2 * BLOCK))))
-    other = view.prompt([9] * BLOCK)
-    assert (view.room_blocks(a, other), view.room_blocks(b, other)) == (100, 97)
+    other = [9] * BLOCK
+    assert (room(view, a, other), room(view, b, other)) == (100, 97)
     # The turn's own cached run is what it reuses, not competition for its room.
-    assert view.room_blocks(b, view.prompt(turn1 + [7] * BLOCK)) == 100
+    assert room(view, b, turn1 + [7] * BLOCK) == 100
     # One request claimed on a prefill then a decode engine is one use: its new blocks are
     # live on neither (before, the decode engine's claim found them "reused").
     d = EngineRef("d", "decode", None, "i0", BLOCK, "sha256", SEED, num_blocks=100)
@@ -211,7 +217,7 @@ def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
     question = view.prompt(list(range(7000, 7000 + 4 * BLOCK)))
     view.expect(a, question)
     view.expect(d, question)
-    assert view.room_blocks(d, other) == 100
+    assert room(view, d, other) == 100
     # A prompt extending an earlier one (holding its last full block) continues it; another
     # question after the same prefix does not.
     assert view.continues(a, view.prompt(list(range(7000, 7000 + 4 * BLOCK + 5)) + [1] * BLOCK))
