@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -289,11 +290,15 @@ def vllm_server_env(cfg: TandemConfig) -> dict[str, str]:
 
 @contextmanager
 def vllm_server(cfg: TandemConfig, log_path: Path, timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:
-    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL and pid."""
+    """Run a plain vLLM OpenAI server on 127.0.0.1:<cfg.serve.port> until the block ends; yields its URL and pid.
+    Its ipc sockets go to a directory of its own, removed after it: vLLM leaves seven in the
+    temp dir at every stop."""
     url = f"http://127.0.0.1:{cfg.serve.port}"
     cmd = vllm_server_command(cfg, resolve_local(cfg.model.source))
-    with server_process(cmd, vllm_server_env(cfg), url, "/health", log_path, timeout_s, "vllm api_server") as pid:
-        yield url, pid
+    with tempfile.TemporaryDirectory(prefix="tandem-vllm-server-") as sockets:
+        env = vllm_server_env(cfg) | {"VLLM_RPC_BASE_PATH": sockets}
+        with server_process(cmd, env, url, "/health", log_path, timeout_s, "vllm api_server") as pid:
+            yield url, pid
 
 
 @contextmanager

@@ -10,6 +10,7 @@ stream is cut into events may differ.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,8 +48,15 @@ def tandem(ray_local: None, tiny_model: object) -> Iterator[Running]:
 def plain_vllm(tiny_model: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cfg = parse_config(SETTINGS | {"colocated": {}, "serve": SETTINGS["serve"] | {"port": free_port()}})
     log = Path(tmp_path_factory.mktemp("vllm")) / "vllm-server.log"
+    before = _sockets_in_temp_dir()
     with vllm_server(cfg, log) as (url, _pid):
         yield url
+    left = _sockets_in_temp_dir() - before  # Tandem's engines keep theirs in directories of their own
+    assert not left, f"the plain vLLM server left its ipc sockets in the temp dir: {sorted(left)[:3]}"
+
+
+def _sockets_in_temp_dir() -> set[Path]:
+    return {p for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()}
 
 
 @pytest.fixture(scope="module")
