@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -37,7 +36,7 @@ from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
 from actors.logs import setup_logging
 from actors.resume import ResumedText
-from actors.run_dir import make_run_dir
+from actors.run_dir import make_run_dir, record_shared_memory, remove
 from actors.stream import Emit, StreamServer
 from actors.protocol import (
     TRANSFER_BUCKETS,
@@ -321,6 +320,9 @@ class EngineActor:
                 vcfg, stat_loggers=[factory], enable_log_requests=args.enable_log_requests,
                 disable_log_stats=args.disable_log_stats)
         vcfg = self.llm.vllm_config
+        children = [p.pid for p in psutil.Process().children(recursive=True)]
+        # What vLLM leaves in /dev/shm when its processes are killed goes with the run dir.
+        record_shared_memory(self.run_dir, children)
         hash_algo, hash_seed = hash_settings(spec.engine_args)
         # Routers send requests and read outputs over this socket (actors.stream), not Ray calls.
         self.stream = StreamServer(ray.util.get_node_ip_address(), spec.stream_port)
@@ -331,7 +333,7 @@ class EngineActor:
             node_id=ctx.get_node_id(),
             node_ip=ray.util.get_node_ip_address(),
             pid=os.getpid(),
-            child_pids=[p.pid for p in psutil.Process().children(recursive=True)],
+            child_pids=children,
             max_model_len=vcfg.model_config.max_model_len,
             block_size=vcfg.cache_config.block_size,
             cores=spec.cores,
@@ -550,7 +552,7 @@ class EngineActor:
 
     def shutdown(self) -> None:
         """Stop vLLM's engine core processes before the actor itself is killed, and remove
-        the sockets they leave."""
+        the sockets and shared memory they leave."""
         if self.llm is not None:
             from vllm.platforms import current_platform
 
@@ -558,4 +560,4 @@ class EngineActor:
             self.llm = None
         self.kv_events.close()
         self.stream.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        remove(self.run_dir)

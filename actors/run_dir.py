@@ -10,6 +10,12 @@ an actor that was killed (SIGKILL runs no clean-up), by the next engine that sta
 host. The host's name keeps containers that share a /tmp out of each other's directories; it
 goes in as a short hash, since a Unix socket's path must fit in 107 bytes and a Kubernetes
 pod's host name alone may take 63. A `VLLM_RPC_BASE_PATH` set by the user stays the parent.
+
+The same goes for the shared memory a tensor-parallel engine's processes make in /dev/shm
+(vLLM's executor queue, `psm_*`, 160 MiB; the CPU ranks' buffers, `vllm_dist_*`): vLLM
+unlinks it only on a clean exit, which an engine core killed after its stop's grace, or with
+its actor, never reaches. The engine writes the names its processes map into its run
+directory (`record_shared_memory`), and they go with it.
 """
 
 from __future__ import annotations
@@ -19,11 +25,17 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 
 PREFIX = "tandem-engine-"
+# In a run directory: the shared-memory files its engine's processes made, one per line.
+SHARED_MEMORY_LIST = "shared-memory"
+# Where those files live, and the names vLLM gives them (no other engine maps them).
+SHM_ROOT = Path("/dev/shm")
+SHM_NAMES = ("psm_", "vllm_dist_")
 
 
 def own_prefix() -> str:
@@ -44,15 +56,52 @@ def make_run_dir(root: Path | None = None) -> Path:
 
 
 def sweep_dead(root: Path) -> list[Path]:
-    """Remove the run directories of this host's processes that no longer exist; returns them."""
+    """Remove the run directories of this host's processes that no longer exist, with the
+    shared memory they list; returns them."""
     removed = []
     prefix = own_prefix()
     for path in root.glob(f"{prefix}*"):
         pid = path.name.removeprefix(prefix)
         if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path)
             removed.append(path)
     return removed
+
+
+def remove(run_dir: Path) -> None:
+    """Remove a run directory and the shared-memory files it lists (the engine's processes
+    are gone: their mappings, if any are left, outlive the names)."""
+    try:
+        names = (run_dir / SHARED_MEMORY_LIST).read_text().splitlines()
+    except OSError:
+        names = []
+    for name in names:
+        (SHM_ROOT / name).unlink(missing_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def record_shared_memory(run_dir: Path, pids: Iterable[int]) -> list[str]:
+    """Write into `run_dir` the shared-memory files of vLLM's that the engine processes
+    `pids` map and this one does not; returns their names."""
+    names = sorted(_shared_memory(pids) - _shared_memory([os.getpid()]))
+    (run_dir / SHARED_MEMORY_LIST).write_text("".join(f"{n}\n" for n in names))
+    return names
+
+
+def _shared_memory(pids: Iterable[int]) -> set[str]:
+    """The names of vLLM's files in /dev/shm that these processes map."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = psutil.Process(pid).memory_maps()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for m in maps:
+            path = Path(m.path)
+            # A file already unlinked reads "<path> (deleted)": nothing left to remove.
+            if path.parent == SHM_ROOT and path.name.startswith(SHM_NAMES) and not m.path.endswith(" (deleted)"):
+                found.add(path.name)
+    return found
 
 
 def _alive(pid: int) -> bool:

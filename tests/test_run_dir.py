@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from actors.run_dir import make_run_dir, own_prefix, sweep_dead
+from actors.run_dir import SHM_ROOT, make_run_dir, own_prefix, record_shared_memory, sweep_dead
 
 
 def test_a_run_dir_is_this_processs_and_a_dead_processs_is_swept_by_the_next(tmp_path: Path) -> None:
@@ -34,3 +35,31 @@ def test_a_run_dir_is_this_processs_and_a_dead_processs_is_swept_by_the_next(tmp
     (mine / "socket").touch()
     assert make_run_dir(tmp_path) == mine and not any(mine.iterdir())  # made again: empty again
     assert sweep_dead(tmp_path) == []
+
+
+def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path: Path) -> None:
+    """A process makes a segment in /dev/shm as vLLM's executor queue does (psm_*, not
+    unlinked by Python's resource tracker) and is SIGKILLed: the run dir's list names it, and
+    sweeping the dead process's run dir unlinks it."""
+    maker = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from multiprocessing import resource_tracker, shared_memory\n"
+        "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
+        "resource_tracker.unregister(shm._name, 'shared_memory')\n"
+        "print(shm.name, flush=True)\n"
+        "time.sleep(120)\n"
+    )], stdout=subprocess.PIPE, text=True)
+    try:
+        assert maker.stdout is not None
+        name = maker.stdout.readline().strip()
+        segment = SHM_ROOT / name
+        assert name.startswith("psm_") and segment.exists()
+        run_dir = tmp_path / f"{own_prefix()}{maker.pid}"
+        run_dir.mkdir()
+        assert record_shared_memory(run_dir, [maker.pid]) == [name]
+    finally:
+        maker.send_signal(signal.SIGKILL)
+        maker.wait()
+    assert segment.exists()  # nothing else removes it
+    assert sweep_dead(tmp_path) == [run_dir]
+    assert not segment.exists() and not run_dir.exists()

@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from actors.protocol import EngineRequest
+from actors.run_dir import SHM_NAMES, SHM_ROOT
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from actors.stream import stream
@@ -25,6 +26,7 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
         "serve": {"app_name": "tp2"},
     })
     deployment = Deployment(cfg)
+    before = _vllm_shared_memory()
     (engine,) = deployment.start()
     try:
         (info,) = deployment.infos
@@ -40,5 +42,14 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
         assert sorted(w.name() for w in workers) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
         # One OpenMP binding per rank, "|"-separated (placement.omp_binding).
         assert info.cpu_binding is not None and len(info.cpu_binding.split("|")) == 2
+        # The ranks' queue and buffers in /dev/shm, which vLLM unlinks only on a clean exit.
+        made = _vllm_shared_memory() - before
+        assert any(n.startswith("psm_") for n in made) and any(n.startswith("vllm_dist_") for n in made), made
     finally:
         deployment.stop()
+    left = _vllm_shared_memory() - before
+    assert not left, f"the stopped engine left shared memory in {SHM_ROOT}: {sorted(left)}"
+
+
+def _vllm_shared_memory() -> set[str]:
+    return {p.name for p in SHM_ROOT.iterdir() if p.name.startswith(SHM_NAMES)}
