@@ -134,7 +134,7 @@ class CacheUpdate(msgspec.Struct, frozen=True):
     # num_requests by EngineRequest.origin (origins with none left out).
     requests_by_origin: dict[str, int] = {}
     # The blocks of the requests that arrived since `version` (EngineRequest.blocks), in order;
-    # none in a full update.
+    # none for a router that had another incarnation or fell behind the engine's change log.
     uses: list[BlockUse] = []
 
 

@@ -76,7 +76,8 @@ def remove(run_dir: Path) -> None:
     except OSError:
         names = []
     for name in names:
-        (SHM_ROOT / name).unlink(missing_ok=True)
+        if name.startswith(SHM_NAMES) and "/" not in name:  # a file of vLLM's in /dev/shm, nothing else
+            (SHM_ROOT / name).unlink(missing_ok=True)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actors.run_dir import SHM_ROOT, make_run_dir, own_prefix, record_shared_memory, sweep_dead
+from actors.run_dir import SHARED_MEMORY_LIST, SHM_ROOT, make_run_dir, own_prefix, record_shared_memory, sweep_dead
 
 
 def test_a_run_dir_is_this_processs_and_a_dead_processs_is_swept_by_the_next(tmp_path: Path) -> None:
@@ -61,5 +61,10 @@ def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path
         maker.send_signal(signal.SIGKILL)
         maker.wait()
     assert segment.exists()  # nothing else removes it
+    # A list names only vLLM's files in /dev/shm: any other line is not acted on.
+    bystander = tmp_path / "bystander"
+    bystander.touch()
+    with open(run_dir / SHARED_MEMORY_LIST, "a") as listed:
+        listed.write(f"../..{bystander}\n")
     assert sweep_dead(tmp_path) == [run_dir]
-    assert not segment.exists() and not run_dir.exists()
+    assert not segment.exists() and not run_dir.exists() and bystander.exists()
