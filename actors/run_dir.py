@@ -24,6 +24,7 @@ import hashlib
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -50,19 +51,21 @@ def make_run_dir(root: Path | None = None) -> Path:
     root = Path(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()) if root is None else root
     sweep_dead(root)
     path = root / f"{own_prefix()}{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)  # a dead process's, whose pid this one reuses
-    path.mkdir(mode=0o700)
+    if _owned(path):
+        shutil.rmtree(path, ignore_errors=True)  # a dead process's, whose pid this one reuses
+    path.mkdir(mode=0o700)  # another user's directory of that name stays, and this fails naming it
     return path
 
 
 def sweep_dead(root: Path) -> list[Path]:
     """Remove the run directories of this host's processes that no longer exist, with the
-    shared memory they list; returns them."""
+    shared memory they list; returns them. Only this user's: in a temp dir that users share,
+    a directory another user made under such a name is not this engine's to judge."""
     removed = []
     prefix = own_prefix()
     for path in root.glob(f"{prefix}*"):
         pid = path.name.removeprefix(prefix)
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and _owned(path) and not _alive(int(pid)):
             remove(path)
             removed.append(path)
     return removed
@@ -103,6 +106,15 @@ def _shared_memory(pids: Iterable[int]) -> set[str]:
             if path.parent == SHM_ROOT and path.name.startswith(SHM_NAMES) and not m.path.endswith(" (deleted)"):
                 found.add(path.name)
     return found
+
+
+def _owned(path: Path) -> bool:
+    """Whether `path` is a directory of this process's user (not a link to one)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _alive(pid: int) -> bool:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from actors.run_dir import SHARED_MEMORY_LIST, SHM_ROOT, make_run_dir, own_prefix, record_shared_memory, sweep_dead
 
 
@@ -68,3 +70,26 @@ def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path
         listed.write(f"../..{bystander}\n")
     assert sweep_dead(tmp_path) == [run_dir]
     assert not segment.exists() and not run_dir.exists() and bystander.exists()
+
+
+def test_only_this_users_run_dirs_are_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead pid's directory another user made under this host's name, or a link named like
+    one, is left alone, and so is what its list names (a shared temp dir is everyone's)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    ours = own_prefix()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / SHARED_MEMORY_LIST).write_text("psm_not_ours\n")
+    link = tmp_path / f"{ours}{gone.pid}"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    assert sweep_dead(tmp_path) == [] and link.is_symlink() and (elsewhere / SHARED_MEMORY_LIST).exists()
+
+    link.unlink()
+    theirs = tmp_path / f"{ours}{gone.pid}"
+    theirs.mkdir()
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # as if another user had made it
+    assert sweep_dead(tmp_path) == [] and theirs.is_dir()
+    monkeypatch.undo()
+    assert sweep_dead(tmp_path) == [theirs] and not theirs.exists()
