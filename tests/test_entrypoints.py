@@ -235,7 +235,9 @@ def test_serve_run_build_app_serves_with_rays_processes_off_the_decode_engine(tm
     inherit the confined raylet's mask); Ctrl-C leaves nothing behind."""
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", SERVE_RUN_PORT)) == 0:
-            pytest.skip(f"port {SERVE_RUN_PORT}, where serve run always serves, is in use on this host")
+            # Not a skip: a run that could not check this must not pass as one that did.
+            pytest.fail(f"port {SERVE_RUN_PORT}, where serve run always serves, is in use on this host; "
+                        "stop what listens there (another `serve run` or `tandem serve`) and run the test again")
     log = tmp_path / "serve-run.log"
     cmd = [str(BIN / "serve"), "run", "--app-dir", str(ROOT), "orchestrator.serve:build_app", f"config={write_config(tmp_path)}"]
     with log.open("w") as out:
