@@ -513,20 +513,22 @@ class EngineActor:
         await self.llm.check_health()
         return self.load.report(self.stats.kv_cache_usage)
 
-    async def cache_updates(self, incarnation: str, version: int, timeout_s: float) -> CacheUpdate:
+    async def cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0) -> CacheUpdate:
         """What changed in this engine's prefix cache since a router's `version` of
         `incarnation` (every key held, when the router had another incarnation or fell too far
-        behind), with the load now and the blocks of the requests that arrived since. Waits up
-        to `timeout_s` for a change first (long-poll)."""
+        behind), with the load now and the blocks of the requests that arrived since (for a
+        router that had another incarnation: of the last `history_s` seconds). Waits up to
+        `timeout_s` for a change first (long-poll)."""
         follower = self.kv_events
         deltas = None
         if incarnation == self.incarnation:
             await follower.wait_changed(version, timeout_s)
             await asyncio.sleep(CACHE_UPDATE_COALESCE_S)
             current, deltas = follower.changes_since(version)
-        # Requests' blocks are news however the cache changed; a router that fell too far
-        # behind misses those the log no longer holds.
-        uses = [u for d in deltas for u in d.uses] if deltas else []
+            uses = follower.uses_since(version)
+        else:
+            # A router that starts following this incarnation: what traffic used here lately.
+            uses = follower.uses_within(history_s)
         if deltas is None or any(d.cleared for d in deltas):
             current, held = follower.snapshot()
             full, stored, removed = True, held, []

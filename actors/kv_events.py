@@ -3,8 +3,8 @@
 vLLM's scheduler publishes every block it stores in or evicts from its prefix cache
 (BlockStored / BlockRemoved / AllBlocksCleared, `kv_events_config`) on a ZMQ PUB socket. The
 engine actor binds that socket to an ipc path only its own engine core uses, follows it on a
-thread, and keeps the set of block keys held plus a short log of changes (and of the blocks
-each arriving request's router saw, EngineRequest.blocks); routers follow the log by
+thread, and keeps the set of block keys held plus a short log of changes (and, apart, the
+blocks each arriving request's router saw, EngineRequest.blocks); routers follow the log by
 long-poll (EngineActor.cache_updates), so every ingress replica derives the same view from the
 same feed and a restarted engine (a new incarnation) starts from an empty one.
 
@@ -19,22 +19,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
 
-from actors.protocol import BlockUse
+from actors.protocol import BlockUse, EchoedUse
 
 logger = logging.getLogger("tandem.kv_events")
 
 # Changes kept for routers that fall behind; one further behind gets the whole set instead.
 MAX_LOG = 4096
-# The most requests' block keys (CacheDelta.uses) the log keeps, about 36 MB: long prompts
-# shorten the log rather than grow the engine actor's memory with it.
-MAX_LOG_USE_KEYS = 1_000_000
+# The most block keys of arrived requests (RecentUses) an engine keeps for its routers, about
+# 36 MB: under long prompts or heavy traffic they reach less far back rather than grow the
+# engine actor's memory.
+MAX_USE_KEYS = 1_000_000
 _MASK64 = (1 << 64) - 1
 
 
@@ -81,14 +83,49 @@ def hash_settings(engine_args: dict[str, Any]) -> tuple[str, str]:
 
 
 class CacheDelta(msgspec.Struct, frozen=True):
-    """Keys stored and removed by one batch of events (`cleared`: everything went first), or
-    the blocks of a request that arrived (`uses`)."""
+    """Keys stored and removed by one batch of events (`cleared`: everything went first); none
+    for a change of load (`KVEventFollower.poke`)."""
 
     version: int
     stored: list[int]
     removed: list[int]
     cleared: bool = False
-    uses: list[BlockUse] = []
+
+
+class RecentUses:
+    """The blocks of the requests that arrived at an engine lately (EngineRequest.blocks), by
+    the version of its change log they arrived at, for the routers following it: those since a
+    router's last call, or, for a router that starts following (a new or restarted ingress
+    replica), those of the last seconds it asks for, so that it knows what traffic reuses at
+    once instead of after its own memory of it has filled. The oldest go first past `max_keys`."""
+
+    def __init__(self, max_keys: int = MAX_USE_KEYS) -> None:
+        self._uses: deque[tuple[int, float, BlockUse]] = deque()
+        self._keys = 0
+        self._max_keys = max_keys
+
+    def add(self, version: int, use: BlockUse, now: float) -> None:
+        self._uses.append((version, now, use))
+        self._keys += len(use.keys)
+        while self._keys > self._max_keys:
+            self._keys -= len(self._uses.popleft()[2].keys)
+
+    def since(self, version: int, now: float) -> list[EchoedUse]:
+        """Those that arrived after `version`, the oldest first (fewer, when more keys came since)."""
+        return self._latest(lambda v, _t: v > version, now)
+
+    def within(self, age_s: float, now: float) -> list[EchoedUse]:
+        """Those that arrived in the last `age_s` seconds, the oldest first."""
+        return self._latest(lambda _v, t: now - t <= age_s, now)
+
+    def _latest(self, keep: Callable[[int, float], bool], now: float) -> list[EchoedUse]:
+        out = []
+        for version, t, use in reversed(self._uses):
+            if not keep(version, t):
+                break
+            out.append(EchoedUse(now - t, use))
+        out.reverse()
+        return out
 
 
 class KVEventFollower:
@@ -107,7 +144,7 @@ class KVEventFollower:
         self.held: set[int] = set()
         self.version = 0
         self.log: deque[CacheDelta] = deque()
-        self._log_use_keys = 0
+        self.uses = RecentUses()
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
@@ -151,16 +188,16 @@ class KVEventFollower:
             elif kind in ("BlockStored", "BlockRemoved"):
                 net.update(dict.fromkeys((as_key(h) for h in ev.block_hashes), kind == "BlockStored"))
         if net or cleared:
-            self._change([k for k, held in net.items() if held], [k for k, held in net.items() if not held], cleared, [])
+            self._change([k for k, held in net.items() if held], [k for k, held in net.items() if not held], cleared)
 
     def poke(self, use: BlockUse | None = None) -> None:
         """Something routers read with the cache changed (the engine's load: a request arrived,
         with the blocks its router saw in `use`, or left). It takes a version of its own, a
         delta with no keys, so that a router between two calls when it happens still sees it at
         once instead of at its next timeout."""
-        self._change([], [], False, [use] if use is not None else [])
+        self._change([], [], False, use)
 
-    def _change(self, stored: list[int], removed: list[int], cleared: bool, uses: list[BlockUse]) -> None:
+    def _change(self, stored: list[int], removed: list[int], cleared: bool, use: BlockUse | None = None) -> None:
         """Apply one change, log it under the next version and wake every `wait_changed`."""
         with self._lock:
             if cleared:
@@ -168,10 +205,11 @@ class KVEventFollower:
             self.held.update(stored)
             self.held.difference_update(removed)
             self.version += 1
-            self.log.append(CacheDelta(self.version, stored, removed, cleared, uses))
-            self._log_use_keys += sum(len(u.keys) for u in uses)
-            while len(self.log) > MAX_LOG or self._log_use_keys > MAX_LOG_USE_KEYS:
-                self._log_use_keys -= sum(len(u.keys) for u in self.log.popleft().uses)
+            self.log.append(CacheDelta(self.version, stored, removed, cleared))
+            if len(self.log) > MAX_LOG:
+                self.log.popleft()
+            if use is not None:
+                self.uses.add(self.version, use, time.monotonic())
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
@@ -185,6 +223,16 @@ class KVEventFollower:
             if version > self.version or not self.log or self.log[0].version > version + 1:
                 return self.version, None
             return self.version, [d for d in self.log if d.version > version]
+
+    def uses_since(self, version: int) -> list[EchoedUse]:
+        """The blocks of the requests that arrived after `version` (RecentUses.since)."""
+        with self._lock:
+            return self.uses.since(version, time.monotonic())
+
+    def uses_within(self, age_s: float) -> list[EchoedUse]:
+        """The blocks of the requests that arrived in the last `age_s` seconds (RecentUses.within)."""
+        with self._lock:
+            return self.uses.within(age_s, time.monotonic())
 
     def snapshot(self) -> tuple[int, list[int]]:
         with self._lock:

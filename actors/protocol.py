@@ -38,6 +38,15 @@ class BlockUse(msgspec.Struct, frozen=True, array_like=True):
     origin: str
 
 
+class EchoedUse(msgspec.Struct, frozen=True, array_like=True):
+    """A request's BlockUse as an engine passes it on to its routers (CacheUpdate.uses), with
+    how many seconds before the answer the request arrived there (hosts' clocks differ; an
+    age does not depend on them)."""
+
+    age_s: float
+    use: BlockUse
+
+
 class EngineRequest(msgspec.Struct, frozen=True):
     """One request for one engine. The ingress renders OpenAI requests with vLLM's own serving
     layer, so the prompt arrives as token ids and the sampling settings as vLLM's
@@ -134,8 +143,9 @@ class CacheUpdate(msgspec.Struct, frozen=True):
     # num_requests by EngineRequest.origin (origins with none left out).
     requests_by_origin: dict[str, int] = {}
     # The blocks of the requests that arrived since `version` (EngineRequest.blocks), in order;
-    # none for a router that had another incarnation or fell behind the engine's change log.
-    uses: list[BlockUse] = []
+    # for a router that had another incarnation (one that starts following the engine), those
+    # of the last seconds it asked for (EngineActor.cache_updates' `history_s`).
+    uses: list[EchoedUse] = []
 
 
 class TransferStats(msgspec.Struct):

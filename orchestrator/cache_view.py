@@ -34,7 +34,7 @@ from ray.exceptions import RayError
 
 from actors.kv_events import PrefixHasher, as_key
 from actors.kv_index import TierChanges
-from actors.protocol import BlockUse, CacheUpdate
+from actors.protocol import BlockUse, CacheUpdate, EchoedUse
 from orchestrator.background import spawn
 from orchestrator.protocol import EngineRef
 
@@ -54,6 +54,8 @@ WORKING_SET_S = 120.0
 # (about 33 MB; a router seeing more distinct blocks than this in WORKING_SET_S forgets the
 # oldest first uses, and their reuses count from the next one).
 SEEN_MAX = 200_000
+# The most uses from an engine's answer taken in at once before other tasks (requests) run.
+HEARD_BATCH = 256
 
 
 class EngineCache:
@@ -77,7 +79,7 @@ class EngineCache:
     def apply(self, update: CacheUpdate) -> None:
         if update.full or update.incarnation != self.incarnation:
             self.held = set(update.stored)
-            if update.incarnation != self.incarnation:
+            if self.incarnation and update.incarnation != self.incarnation:  # a restart, not the first answer
                 self.live.clear()
                 self.wanted.clear()
         else:
@@ -138,20 +140,21 @@ class EngineCache:
             wanted.popitem(last=False)
         return len(wanted) - sum(k in wanted for k in keys)
 
-    def expect(self, keys: Sequence[int], now: float, reused: int = 0) -> None:
+    def expect(self, keys: Sequence[int], now: float) -> None:
         """A request using `keys` was sent here: they count as held for EXPECT_TTL_S (until
-        events say otherwise), and the first `reused` of them as live now."""
+        events say otherwise)."""
         deadline = now + EXPECT_TTL_S
         if len(self.expected) > 4 * len(keys) + 1024:  # drop the expired before growing further
             self.expected = {k: t for k, t in self.expected.items() if t >= now}
         for k in keys:
             if k not in self.held:
                 self.expected[k] = deadline
-        for k in keys[:reused]:
-            self.live[k] = now
-            self.live.move_to_end(k)
-            self.wanted[k] = now
-            self.wanted.move_to_end(k)
+
+    def reuse(self, keys: Sequence[int], t: float) -> None:
+        """A request sent here at `t` reused `keys`: they are live (and wanted) as of then,
+        unless a later use is known already."""
+        for lately in (self.live, self.wanted):
+            _touch(lately, keys, t)
 
 
 class TierView:
@@ -183,6 +186,15 @@ class TierView:
                 break
             by_node[node] = by_node.get(node, 0) + 1
         return by_node
+
+
+def _touch(lately: collections.OrderedDict[int, float], keys: Sequence[int], t: float) -> None:
+    """Stamp `keys` used at `t` in `lately` (the least recent first), each moved to the end
+    unless it was used later than `t` already (a use heard late, from an engine's history)."""
+    for k in keys:
+        if lately.get(k, -math.inf) <= t:
+            lately[k] = t
+            lately.move_to_end(k)
 
 
 def _subscribe(address: str) -> zmq.asyncio.Socket:
@@ -268,7 +280,9 @@ class CacheView:
     async def _follow(self, cache: EngineCache) -> None:
         while True:
             try:
-                update = await cache.ref.handle.cache_updates.remote(cache.incarnation, cache.version, POLL_S)
+                # A new incarnation's first answer (or this router's) brings what traffic
+                # used there over the last WORKING_SET_S, as if this router had sent it.
+                update = await cache.ref.handle.cache_updates.remote(cache.incarnation, cache.version, POLL_S, WORKING_SET_S)
             except RayError as err:
                 # The engine died or restarts: the routing table drops or renews it meanwhile.
                 logger.debug("cache updates of engine %s failed: %s", cache.ref.engine_id, err)
@@ -277,9 +291,11 @@ class CacheView:
             if update.incarnation != cache.incarnation and cache.incarnation:
                 logger.info("engine %s is a new incarnation (%s); its prefix view starts anew",
                             cache.ref.engine_id, update.incarnation)
+            received = time.monotonic()
             cache.apply(update)
-            if update.uses:
-                self._heard(cache, update.uses)
+            for start in range(0, len(update.uses), HEARD_BATCH):
+                self._heard(cache, update.uses[start : start + HEARD_BATCH], received)
+                await asyncio.sleep(0)  # a long history (a first answer) does not hold up requests
 
     async def _follow_tier(self, tier: TierView) -> None:
         """Follow the index's feed of changes; ask it over Ray at the start, after a gap in the
@@ -401,35 +417,35 @@ class CacheView:
             self._note(use, now)
         cache = self.caches.get(ref.engine_id)
         if cache is not None:
-            cache.expect(use.keys, now, use.reused)
+            cache.expect(use.keys, now)
+            cache.reuse(use.keys[: use.reused], now)
 
     def block_use(self, ref: EngineRef, prompt: PromptKeys) -> BlockUse | None:
         """What a request claimed on `ref` tells the routers following the engine
         (EngineRequest.blocks); None when none follows it."""
         return prompt.uses.get(_geometry(ref)) if ref.engine_id in self.caches else None
 
-    def _heard(self, cache: EngineCache, uses: Sequence[BlockUse]) -> None:
-        """Requests of other routers arrived at the engine `cache` follows: taken as if this
-        router had sent them there."""
-        now = time.monotonic()
+    def _heard(self, cache: EngineCache, uses: Sequence[EchoedUse], now: float) -> None:
+        """Requests of other routers arrived at the engine `cache` follows (lately, or, when
+        this router starts following it, over the last WORKING_SET_S), as its answer received
+        at `now` said: taken as if this router had sent them there when they arrived."""
         self._forget(now)
-        for use in uses:
-            if use.origin == self.origin:
+        for echoed in uses:
+            use = echoed.use
+            if use.origin == self.origin or echoed.age_s > WORKING_SET_S:
                 continue
-            self._note(use, now)
-            cache.expect(use.keys, now, use.reused)
+            t = now - echoed.age_s
+            self._note(use, t)
+            if echoed.age_s < EXPECT_TTL_S:  # not yet in the engine's events, maybe
+                cache.expect(use.keys, t)
+            cache.reuse(use.keys[: use.reused], t)
 
-    def _note(self, use: BlockUse, now: float) -> None:
-        """A request used these blocks: later ones using them reuse them, and a prompt that
-        holds its last block continues it. Its first blocks are the latest used, so that
+    def _note(self, use: BlockUse, t: float) -> None:
+        """A request used these blocks at `t`: later ones using them reuse them, and a prompt
+        that holds its last block continues it. Its first blocks are the latest used, so that
         `SEEN_MAX` forgets a prompt's last blocks first and a reused run stays a run."""
-        seen, tails = self._seen, self._tails
-        for k in reversed(use.keys):
-            seen[k] = now
-            seen.move_to_end(k)
-        if use.keys:
-            tails[use.keys[-1]] = now
-            tails.move_to_end(use.keys[-1])
+        _touch(self._seen, use.keys[::-1], t)
+        _touch(self._tails, use.keys[-1:], t)
 
     def _forget(self, now: float) -> None:
         """Drop the uses older than WORKING_SET_S, and the least recent past SEEN_MAX."""

@@ -100,6 +100,53 @@ def test_two_ingress_replicas_serve(pd: Running) -> None:
     assert status.replica_states.get("RUNNING") == 2
 
 
+def test_chats_spread_over_the_prefill_engines_instead_of_piling_on_the_system_prompts_holder(pd: Running) -> None:
+    """Eight chats after one system prompt, one request at a time (no queue anywhere). Their
+    first turns all go where the system prompt is cached; at their second turn, once their
+    histories show as live there, kv_aware moves some to the other prefill engine rather than
+    letting one cache hold every history (before, every turn went to the holder until its
+    cache evicted the histories). First of the module's requests: a router that starts
+    following the engines hears what the requests of the last WORKING_SET_S used there, and
+    an earlier test's prefix, reused within it, would take the room this test measures."""
+    import msgspec
+    import ray
+
+    from actors.kv_index import index_actor_name
+    from orchestrator.cache_view import CacheView
+    from orchestrator.cluster import NAMESPACE
+
+    cfg = pd.deployment.cfg
+    tier = ray.get_actor(index_actor_name(cfg.serve.app_name), namespace=NAMESPACE)  # as an ingress follows it
+    router = Router(pd.deployment.routing_engines(), msgspec.structs.replace(cfg.routing, disaggregation="always"),
+                    cache_view=CacheView(tier))
+    system = prompt(300, 96)
+    first = [system + prompt(310 + c, 64) for c in range(8)]
+
+    async def go() -> list[dict[str, float]]:
+        assert router.cache is not None
+        router.cache.sync()
+        served = []
+        for turn in (first, [t + prompt(330 + c, 64) for c, t in enumerate(first)]):
+            counts: dict[str, float] = {}
+            for c, ids in enumerate(turn):
+                before = finished_on(pd, "prefill")
+                req = EngineRequest(f"chat-{c}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+                async for _ in router.generate(req, RequestTrace()):
+                    pass
+                await asyncio.sleep(1.0)  # the engines' events and the tier's feed reach the view
+                after = finished_on(pd, "prefill")
+                for e, n in after.items():
+                    counts[e] = counts.get(e, 0) + n - before.get(e, 0)
+            served.append(counts)
+        await router.close()
+        return served
+
+    turn1, turn2 = asyncio.run(asyncio.wait_for(go(), timeout=300))
+    assert sum(turn1.values()) == 8 and sum(turn2.values()) == 8, (turn1, turn2)
+    assert max(turn1.values()) == 8, turn1  # one-off so far: all with the system prompt's holder
+    assert sorted(turn2.values())[0] >= 2, turn2  # live histories: some moved to the other engine
+
+
 def test_a_repeated_prefix_is_prefilled_where_it_is_cached(pd: Running) -> None:
     shared = prompt(1, 320)
     first = complete(pd, shared + [7] * 40)
@@ -156,51 +203,6 @@ def test_evicted_blocks_leave_the_view(pd: Running) -> None:
     assert gone == 0, "the view still counts blocks the engine evicted"
 
 
-def test_chats_spread_over_the_prefill_engines_instead_of_piling_on_the_system_prompts_holder(pd: Running) -> None:
-    """Eight chats after one system prompt, one request at a time (no queue anywhere). Their
-    first turns all go where the system prompt is cached; at their second turn, once their
-    histories show as live there, kv_aware moves some to the other prefill engine rather than
-    letting one cache hold every history (before, every turn went to the holder until its
-    cache evicted the histories)."""
-    import msgspec
-    import ray
-
-    from actors.kv_index import index_actor_name
-    from orchestrator.cache_view import CacheView
-    from orchestrator.cluster import NAMESPACE
-
-    cfg = pd.deployment.cfg
-    tier = ray.get_actor(index_actor_name(cfg.serve.app_name), namespace=NAMESPACE)  # as an ingress follows it
-    router = Router(pd.deployment.routing_engines(), msgspec.structs.replace(cfg.routing, disaggregation="always"),
-                    cache_view=CacheView(tier))
-    system = prompt(300, 96)
-    first = [system + prompt(310 + c, 64) for c in range(8)]
-
-    async def go() -> list[dict[str, float]]:
-        assert router.cache is not None
-        router.cache.sync()
-        served = []
-        for turn in (first, [t + prompt(330 + c, 64) for c, t in enumerate(first)]):
-            counts: dict[str, float] = {}
-            for c, ids in enumerate(turn):
-                before = finished_on(pd, "prefill")
-                req = EngineRequest(f"chat-{c}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
-                async for _ in router.generate(req, RequestTrace()):
-                    pass
-                await asyncio.sleep(1.0)  # the engines' events and the tier's feed reach the view
-                after = finished_on(pd, "prefill")
-                for e, n in after.items():
-                    counts[e] = counts.get(e, 0) + n - before.get(e, 0)
-            served.append(counts)
-        await router.close()
-        return served
-
-    turn1, turn2 = asyncio.run(asyncio.wait_for(go(), timeout=300))
-    assert sum(turn1.values()) == 8 and sum(turn2.values()) == 8, (turn1, turn2)
-    assert max(turn1.values()) == 8, turn1  # one-off so far: all with the system prompt's holder
-    assert sorted(turn2.values())[0] >= 2, turn2  # live histories: some moved to the other engine
-
-
 def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_cache(pd: Running) -> None:
     """conditional, with the decode engine keeping no tier copy (as without the tier): chat
     B's two turns are prefilled on the decode engine (the second continues a history only it
@@ -208,9 +210,12 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
     leave C's history on the decode engine alone, whose cache now holds B's live history and
     so has less room than a prefill engine's: it goes remote ("stranded_history"). With the
     tier behind the decode engine (the deployment as it runs) the same turns all stay local.
-    Two routers (as two ingress replicas) send the turns, the first and last by one, the
-    middle two by the other: the router judging C's second turn sent neither C's first nor
-    B's second, and hears of them from the engines (EngineRequest.blocks)."""
+    Routers as ingress replicas send the turns: the first by one, the middle two by another,
+    and C's second turn by a third that starts only then (a replica scaled out or restarted).
+    The router judging C's second turn sent none of the turns before it: it hears of them
+    from the engines (EngineRequest.blocks), which answer its first call with the blocks the
+    requests of the last WORKING_SET_S used, and the second router hears of B's first turn
+    as it follows them."""
     import msgspec
 
     from orchestrator.cache_view import CacheView
@@ -226,13 +231,19 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
         b1, c1 = prompt(seed, 104), prompt(seed + 1, 104)
         sequence = [b1, b1 + prompt(seed + 2, 40), c1, c1 + prompt(seed + 3, 40)]
 
-        async def go() -> list[str]:
-            for router in routers:
+        async def follow(new: list[Router]) -> None:
+            for router in new:
                 assert router.cache is not None
                 router.cache.sync()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # their first answers
+
+        async def go() -> list[str]:
+            await follow(routers)
             decisions = []
-            for i, (ids, sender) in enumerate(zip(sequence, (0, 1, 1, 0))):
+            for i, (ids, sender) in enumerate(zip(sequence, (0, 1, 1, 2))):
+                if sender == len(routers):
+                    routers.append(Router(engines, routing, cache_view=CacheView()))
+                    await follow(routers[-1:])
                 trace = RequestTrace()
                 req = EngineRequest(f"home-{seed}-{i}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=2, temperature=0.0))
                 async for _ in routers[sender].generate(req, trace):
