@@ -96,6 +96,13 @@ class OpenAIIngress:
         if self.cfg.serve.http == "direct":
             self.http = DirectHTTP(self.api, self.cfg.serve.host, self.cfg.serve.port)
             await self.http.start()
+        # Follow the routing table and the engines' caches from now (Serve runs this on the
+        # event loop that serves the requests), not from the first request: a replica started
+        # under traffic then routes that request knowing what the others' requests used (an
+        # engine's first answer brings the last WORKING_SET_S of it).
+        self._watch_routing()
+        if cache_view is not None:
+            cache_view.sync()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.api
@@ -132,8 +139,8 @@ class OpenAIIngress:
             logger.warning("could not tell the pool manager that engine %s failed (%s); its health checks will find it", engine_id, err)
 
     def _watch_routing(self) -> None:
-        """Keep the router's engines in step with the manager's routing table (started with
-        the first request: the replica's event loop runs by then)."""
+        """Keep the router's engines in step with the manager's routing table (from start-up;
+        a request restarts the task should it have ended)."""
         if self._watcher is None or self._watcher.done():
             self._watcher = spawn(self._follow_table())
 

@@ -602,7 +602,9 @@ def ray_threads() -> list[tuple[str, set[int]]]:
     while todo:
         proc = todo.pop()
         try:
-            if serves_actor(proc, [ENGINE_CLASS]):
+            # An engine's worker exiting after a teardown may have lost its title (an empty
+            # command line) before its threads end: not a process Ray's mask is put back on.
+            if serves_actor(proc, [ENGINE_CLASS]) or not proc.cmdline():
                 continue
             name, threads = proc.name(), proc.threads()
             todo.extend(proc.children())
