@@ -78,21 +78,31 @@ def remove(run_dir: Path) -> None:
         names = (run_dir / SHARED_MEMORY_LIST).read_text().splitlines()
     except OSError:
         names = []
-    for name in names:
-        if name.startswith(SHM_NAMES) and "/" not in name:  # a file of vLLM's in /dev/shm, nothing else
-            (SHM_ROOT / name).unlink(missing_ok=True)
+    unlink_shared_memory(names)
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def unlink_shared_memory(names: Iterable[str]) -> None:
+    """Unlink these files of vLLM's in /dev/shm (any other name, a path above all, is left)."""
+    for name in names:
+        if name.startswith(SHM_NAMES) and "/" not in name:
+            (SHM_ROOT / name).unlink(missing_ok=True)
 
 
 def record_shared_memory(run_dir: Path, pids: Iterable[int]) -> list[str]:
     """Write into `run_dir` the shared-memory files of vLLM's that the engine processes
     `pids` map and this one does not; returns their names."""
-    names = sorted(_shared_memory(pids) - _shared_memory([os.getpid()]))
+    names = sorted(shared_memory(pids))
     (run_dir / SHARED_MEMORY_LIST).write_text("".join(f"{n}\n" for n in names))
     return names
 
 
-def _shared_memory(pids: Iterable[int]) -> set[str]:
+def shared_memory(pids: Iterable[int]) -> set[str]:
+    """The names of vLLM's files in /dev/shm that the processes `pids` map and this one does not."""
+    return _mapped(pids) - _mapped([os.getpid()])
+
+
+def _mapped(pids: Iterable[int]) -> set[str]:
     """The names of vLLM's files in /dev/shm that these processes map."""
     found = set()
     for pid in pids:

@@ -33,6 +33,7 @@ import httpx
 import msgspec
 import psutil
 
+from actors.run_dir import shared_memory, unlink_shared_memory
 from benchmarks import ray_serve_llm
 from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import Policy, PoolConfig, TandemConfig
@@ -333,7 +334,17 @@ def _answers(url: str) -> bool:
 def stop_group(proc: subprocess.Popen[bytes], linger_s: float = 30.0) -> None:
     """SIGTERM the process group of `proc` (started in a session of its own), SIGKILL it if it
     lingers; then wait up to `linger_s` for the rest of its session (a server's workers may
-    outlive it by seconds, some in process groups of their own) and SIGKILL what is left."""
+    outlive it by seconds, some in process groups of their own) and SIGKILL what is left.
+    The files in /dev/shm its vLLM processes mapped go too: vLLM unlinks them only on a clean
+    exit (a plain server's executor queues, 160-240 MiB each, were left by every killed one)."""
+    shm = shared_memory(p.pid for p in _session_left(proc.pid))
+    try:
+        _stop_session(proc, linger_s)
+    finally:
+        unlink_shared_memory(shm)
+
+
+def _stop_session(proc: subprocess.Popen[bytes], linger_s: float) -> None:
     for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
         if proc.poll() is not None:
             break
