@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -806,20 +805,10 @@ def test_stopping_a_servers_session_removes_the_shared_memory_its_vllm_processes
     """A server process maps a segment in /dev/shm as vLLM's executor queue does (psm_*, not
     unlinked by Python's resource tracker) and dies at SIGTERM without cleaning up, as a
     plain vLLM server killed by the bench did: its segment goes with its session."""
-    from actors.run_dir import SHM_ROOT
     from benchmarks.scenarios import stop_group
+    from tests.shm import start_segment_maker
 
-    proc = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from multiprocessing import resource_tracker, shared_memory\n"
-        "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
-        "resource_tracker.unregister(shm._name, 'shared_memory')\n"
-        "print(shm.name, flush=True)\n"
-        "time.sleep(120)\n"
-    )], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    segment = SHM_ROOT / proc.stdout.readline().strip()
-    assert segment.name.startswith("psm_") and segment.exists()
+    proc, segment = start_segment_maker(start_new_session=True)
     stop_group(proc, linger_s=1.0)  # type: ignore[arg-type]
     assert proc.poll() is not None and not segment.exists()
 

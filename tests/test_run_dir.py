@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.run_dir import SHARED_MEMORY_LIST, SHM_ROOT, make_run_dir, own_prefix, record_shared_memory, sweep_dead
+from actors.run_dir import SHARED_MEMORY_LIST, make_run_dir, own_prefix, record_shared_memory, sweep_dead
+from tests.shm import start_segment_maker
 
 
 def test_a_run_dir_is_this_processs_and_a_dead_processs_is_swept_by_the_next(tmp_path: Path) -> None:
@@ -43,19 +44,9 @@ def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path
     """A process makes a segment in /dev/shm as vLLM's executor queue does (psm_*, not
     unlinked by Python's resource tracker) and is SIGKILLed: the run dir's list names it, and
     sweeping the dead process's run dir unlinks it."""
-    maker = subprocess.Popen([sys.executable, "-c", (
-        "import time\n"
-        "from multiprocessing import resource_tracker, shared_memory\n"
-        "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
-        "resource_tracker.unregister(shm._name, 'shared_memory')\n"
-        "print(shm.name, flush=True)\n"
-        "time.sleep(120)\n"
-    )], stdout=subprocess.PIPE, text=True)
+    maker, segment = start_segment_maker()
+    name = segment.name
     try:
-        assert maker.stdout is not None
-        name = maker.stdout.readline().strip()
-        segment = SHM_ROOT / name
-        assert name.startswith("psm_") and segment.exists()
         run_dir = tmp_path / f"{own_prefix()}{maker.pid}"
         run_dir.mkdir()
         assert record_shared_memory(run_dir, [maker.pid]) == [name]
