@@ -214,22 +214,22 @@ def _has_text(out: Any) -> bool:
 
 
 def one_process_engine_config(args: AsyncEngineArgs) -> VllmConfig:
-    """vLLM's config for `args`; a one-rank CPU engine runs its model in the engine core.
+    """vLLM's config for `args`; a one-rank engine runs its model in the engine core, with
+    its rendezvous file in its run directory (actors.executor).
 
     vLLM's CPU backend turns the one-process executor ("uni") into its multiprocessing one,
     because only a process started under the OpenMP environment is bound to its cores. That
     costs a third process per engine: another import of torch and vLLM at every start, a
     shared-memory queue and a hop between scheduler and forward pass at every step. Tandem
     starts the engine core itself under that environment (`omp_environment`), so the engine
-    core can be the worker.
+    core can be the worker. On other platforms one rank gets the one-process executor anyway.
     """
-    from vllm.platforms import current_platform
-    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+    from actors.executor import RunDirExecutor
 
     one_rank = args.tensor_parallel_size == args.pipeline_parallel_size == args.data_parallel_size == 1
-    if current_platform.is_cpu() and one_rank and args.distributed_executor_backend is None:
+    if one_rank and args.distributed_executor_backend is None:
         # The class, not "uni": the CPU platform rewrites only the name.
-        args.distributed_executor_backend = UniProcExecutor
+        args.distributed_executor_backend = RunDirExecutor
     return args.create_engine_config()
 
 
@@ -238,10 +238,12 @@ def omp_environment(vcfg: VllmConfig) -> Iterator[None]:
     """vLLM's OpenMP binding of rank 0 in this process's environment while vLLM spawns the
     engine core, which inherits it; a no-op off CPU and for the multiprocessing executor
     (that sets it for each worker itself)."""
+    from vllm.platforms import current_platform
     from vllm.utils.ompmultiprocessing import OMPProcessManager
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    if vcfg.parallel_config.distributed_executor_backend is not UniProcExecutor:
+    backend = vcfg.parallel_config.distributed_executor_backend
+    if not (current_platform.is_cpu() and isinstance(backend, type) and issubclass(backend, UniProcExecutor)):
         yield
         return
     # Spawning the engine core would start multiprocessing's resource tracker, which then

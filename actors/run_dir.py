@@ -15,7 +15,8 @@ The same goes for the shared memory a tensor-parallel engine's processes make in
 (vLLM's executor queue, `psm_*`, 160 MiB; the CPU ranks' buffers, `vllm_dist_*`): vLLM
 unlinks it only on a clean exit, which an engine core killed after its stop's grace, or with
 its actor, never reaches. The engine writes the names its processes map into its run
-directory (`record_shared_memory`), and they go with it.
+directory (`record_shared_memory`), and they go with it. So does torch's rendezvous file of
+a one-rank engine core (actors.executor).
 """
 
 from __future__ import annotations

@@ -73,6 +73,8 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
         pids = engine_pids(up)
         actors = {r.pid for pool in status(up).pools for r in pool.replicas if r.pid is not None}
         assert all(run_dir(pid).is_dir() for pid in actors)
+        # torch's rendezvous file of each engine core is there too (actors.executor), so it goes with the dir
+        assert all(any(run_dir(pid).glob("vllm_dist_*")) for pid in actors), [sorted(run_dir(pid).iterdir()) for pid in actors]
     deadline = time.monotonic() + 30  # killed processes take a moment to be reaped
     while (alive := _alive(pids)) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -290,16 +291,28 @@ def test_a_one_rank_cpu_engine_computes_in_its_engine_core_and_tp_keeps_vllms_wo
     """vLLM's CPU platform rewrites the one-process executor's name into "mp"; asked for by
     class it stays, for one rank only. An executor the user chose is left alone."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     from actors.engine import one_process_engine_config
+    from actors.executor import RunDirExecutor
 
     def backend(**kw: Any) -> Any:
         return one_process_engine_config(AsyncEngineArgs(model=str(tiny_model), **kw)).parallel_config.distributed_executor_backend
 
-    assert backend() is UniProcExecutor
+    assert backend() is RunDirExecutor
     assert backend(tensor_parallel_size=2) == "mp"
     assert backend(distributed_executor_backend="mp") == "mp"
+
+
+def test_a_one_rank_engines_rendezvous_file_is_made_in_its_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's file store of the engine core's process group goes where the engine actor
+    points VLLM_RPC_BASE_PATH (its run dir), not the host's temp dir."""
+    from actors.executor import RunDirExecutor
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    executor = object.__new__(RunDirExecutor)  # only the rendezvous, no engine
+    executor.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device="cpu"))
+    method, rank, local_rank = executor._distributed_args()
+    assert method.startswith(f"file://{tmp_path}/vllm_dist_") and (rank, local_rank) == (0, 0)
 
 
 def test_the_engine_core_is_started_under_vllms_openmp_binding_of_rank_0(
