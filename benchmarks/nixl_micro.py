@@ -14,7 +14,7 @@ The agents run without a progress thread (as Tandem's KV store does): the nixl P
 hard-codes `pthrDelay = 0`, so a progress thread would spin a core that the measurement needs.
 The timing loop polls both agents instead (the target's UCX worker must progress for wire-up).
 
-    python -m benchmarks.nixl_micro --model ~/.cache/tandem/tiny-llama-v1 --block-size 128
+    python -m benchmarks.nixl_micro --model ~/.cache/tandem/tiny-llama-v2 --block-size 128
     python benchmarks/nixl_micro.py --model llama-3-8b/ --block-size 16 --prompt-tokens 2048 \
         --paths VRAM0:VRAM0,VRAM0:DRAM,DRAM:VRAM0 --json nixl-gpu.json
 

@@ -8,6 +8,13 @@ makes that cost grow mostly with the tokens computed rather than with a step's f
 a served model's prefill does on a GPU (the long-chat routing benchmark). All are generated
 deterministically (no hub access) once per cache folder. Outputs are gibberish but
 deterministic under greedy decoding, which is what equality tests need.
+
+The tiny model is float16, the others bfloat16. vLLM 0.32's CPU attention takes its AMX
+kernel for bfloat16 on hosts with AMX, and on such a host (a Xeon with AMX tiles, 2026-12-01)
+that kernel died of SIGILL on its first `tilezero` for the tiny model and for every shape
+tried up to hidden 256, from any engine: vLLM offline, colocated, 1P1D. At hidden 384-512
+(small, medium) it runs. float16 takes vLLM's vector kernel on every x86 host, with the same
+two bytes per KV element, so every figure in KV bytes stays as it was.
 """
 
 from __future__ import annotations
@@ -20,8 +27,13 @@ from pathlib import Path
 
 from filelock import FileLock
 
-VERSION = "v1"
 MAX_POSITION_EMBEDDINGS = 1024
+
+# Each built-in model's folder is named with its version: a change of shape or dtype gets a
+# new version, so a cache made by an older Tandem is never taken for the new model.
+VERSIONS: dict[str, str] = {"tiny": "v2", "small": "v1", "medium": "v1"}
+# The dtype its weights are saved in, which vLLM serves it in (module docstring).
+DTYPES: dict[str, str] = {"tiny": "float16", "small": "bfloat16", "medium": "bfloat16"}
 
 # Llama shapes of the built-in models, by the name after "builtin:".
 SHAPES: dict[str, dict[str, int]] = {
@@ -56,7 +68,7 @@ def _corpus(num_lines: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 24))) for _ in range(num_lines)]
 
 
-def _build(dest: Path, shape: dict[str, int]) -> None:
+def _build(dest: Path, shape: dict[str, int], dtype: str) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -85,9 +97,9 @@ def _build(dest: Path, shape: dict[str, int]) -> None:
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype=dtype,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(dest, safe_serialization=True)
 
 
@@ -103,16 +115,17 @@ def prepare_builtin_model(name: str, root: Path | None = None) -> Path:
     """
     shape = SHAPES[name]
     root = root or cache_dir()
-    dest = root / f"{name}-llama-{VERSION}"
+    version = VERSIONS[name]
+    dest = root / f"{name}-llama-{version}"
     if (dest / "config.json").is_file():
         return dest
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{name}-llama-{VERSION}.lock")):
+    with FileLock(str(root / f".{name}-llama-{version}.lock")):
         if (dest / "config.json").is_file():
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
         try:
-            _build(tmp, shape)
+            _build(tmp, shape, DTYPES[name])
             tmp.rename(dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -221,15 +221,19 @@ def test_preflight_accepts_vllm_front_end_flags() -> None:
     preflight(parse_config({"serve": {"openai_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]}}))
 
 
-@pytest.mark.parametrize("name", ["small", "medium"])
+@pytest.mark.parametrize("name", ["tiny", "small", "medium"])
 def test_a_builtin_model_is_generated_with_its_shape_and_known_by_name(name: str, tmp_path: Path) -> None:
-    """builtin:tiny is built by every engine test; the routing benchmarks' larger ones only
-    by the benchmarks: each must build, carry its shape, and pass the model check by name."""
+    """Each built-in model must build, carry its shape and dtype (the tiny one float16: vLLM's
+    bfloat16 AMX attention kernel crashes on it, see orchestrator.tiny_model), and pass the
+    model check by name."""
     from orchestrator.config import BUILTIN_MODELS
     from orchestrator.preflight import check_model
-    from orchestrator.tiny_model import SHAPES, prepare_builtin_model
+    from orchestrator.tiny_model import DTYPES, SHAPES, VERSIONS, prepare_builtin_model
 
-    assert BUILTIN_MODELS == tuple(SHAPES)
-    config = json.loads((prepare_builtin_model(name, tmp_path) / "config.json").read_text())
+    assert BUILTIN_MODELS == tuple(SHAPES) == tuple(DTYPES) == tuple(VERSIONS)
+    folder = prepare_builtin_model(name, tmp_path)
+    assert folder.name == f"{name}-llama-{VERSIONS[name]}"
+    config = json.loads((folder / "config.json").read_text())
     assert {k: config[k] for k in SHAPES[name]} == SHAPES[name]
+    assert config["dtype"] == DTYPES[name] and DTYPES["tiny"] == "float16"
     check_model(parse_config({"model": {"source": f"builtin:{name}"}}))
