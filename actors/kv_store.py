@@ -54,6 +54,9 @@ class TierSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store_id: str | None = None
     # Whether this engine loads prefixes from the tier.
     load: bool = True
+    # Whether a saving engine also saves the full blocks of the tokens it generates, not only
+    # of the prompt (cpu_tier.save_outputs).
+    save_outputs: bool = True
 
 
 class StoreStats(msgspec.Struct, frozen=True):

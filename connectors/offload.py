@@ -10,7 +10,9 @@ engine saves and/or loads.
 Scheduler role (engine core): asks the index actor, as soon as a request arrives, how long
 a prefix of the request's block hashes is held (when first scheduling the request it waits
 a few ms for the answer, then says "not yet" until it arrives), pins it for the load, plans
-loads into the blocks vLLM allocates, and plans saves of newly computed full prompt blocks.
+loads into the blocks vLLM allocates, and plans saves of newly computed full blocks: the
+prompt's and, with ``TierSettings.save_outputs``, those of the generated tokens, which a
+chat's next turn resends as its prompt.
 Worker role (next to the KV cache): moves the bytes through NIXL, see
 ``connectors.offload_worker``. Both reach the index on its channel
 (``connectors.index_client``: hashes and slot numbers, never KV bytes); the engine's
@@ -246,7 +248,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Called once per step: the loads planned since the last step, and saves of the full
-        prompt blocks this step computes."""
+        blocks this step computes (of the prompt, and of the output with save_outputs)."""
         if self.settings.store_id is not None:
             steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
             cached = scheduler_output.scheduled_cached_reqs
@@ -260,8 +262,10 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         request = self._requests.get(req_id)
         if request is None or self._kv_cache_manager is None:
             return
-        full = min(computed_after, request.num_prompt_tokens) // self.block_size
-        full = min(full, len(request.block_hashes))
+        # A block is full once its last token's KV is computed; vLLM hashes the blocks of
+        # generated tokens too, as they fill (Request.block_hashes).
+        saveable = computed_after if self.settings.save_outputs else min(computed_after, request.num_prompt_tokens)
+        full = min(saveable // self.block_size, len(request.block_hashes))
         done = self._saved_blocks.get(req_id, 0)
         if full <= done:
             return

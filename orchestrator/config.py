@@ -298,13 +298,19 @@ class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     enabled: bool = True
     # Host memory of each node's store pool, GiB (allocated up front).
     size_gib: Annotated[float, Meta(gt=0)] = 0.5
-    # Pools whose engines write their computed prompt blocks to the tier, and pools whose
+    # Pools whose engines write the KV blocks they compute to the tier, and pools whose
     # engines load held prefixes from it instead of computing them. Unset (null), both are
     # the pools that compute prompts: prefill and colocated engines, and decode engines too
-    # when routing.disaggregation lets them prefill (conditional, never); see
-    # TandemConfig.tier_pools.
+    # when routing.disaggregation lets them prefill (conditional, never); decode engines
+    # save in every mode while save_outputs is on. See TandemConfig.tier_pools.
     save_from: frozenset[PoolRole] | None = None
     load_into: frozenset[PoolRole] | None = None
+    # Saving engines save the full blocks of the tokens they generate too, not only those of
+    # the prompt. A chat's next turn resends the answer, whose KV only its decode engine
+    # computed: with this the prefill engine loads the answer from the tier instead of
+    # computing it again. Off: only prompt blocks are saved (one-shot traffic, whose answers
+    # never come back as a prompt, then spares the tier's room and the decode engines' writes).
+    save_outputs: bool = True
     # The port engines reach the tier's index on, on the head node (the index's channel).
     # Unset: one that is free when the deployment starts; a restarted index keeps it.
     index_port: Port | None = None
@@ -403,13 +409,18 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         """The CPU tier's (save_from, load_into), defaults filled in. A decode engine that
         prefills locally and neither saves nor loads loses each prompt it computes to the
         rest of the cluster: a chat's next turn prefilled remotely computes its history
-        again (2026-11-25: 29% of prompt tokens computed instead of 20%, TTFT p99 2x)."""
+        again (2026-11-25: 29% of prompt tokens computed instead of 20%, TTFT p99 2x). With
+        `save_outputs` a decode engine saves in every mode: the answers it generates are the
+        part of a chat's next prompt that no prefill engine has computed. It writes only what
+        the tier lacks (the index grants slots for new blocks only), so the prompt blocks its
+        prefill engine saved cost it a lookup, not a copy."""
         computing: frozenset[PoolRole] = frozenset({"prefill", "both"})
         if self.routing.disaggregation != "always":
             computing |= {"decode"}
         tier = self.cpu_tier
+        saving = computing | {"decode"} if tier.save_outputs else computing
         return (
-            computing if tier.save_from is None else tier.save_from,
+            saving if tier.save_from is None else tier.save_from,
             computing if tier.load_into is None else tier.load_into,
         )
 

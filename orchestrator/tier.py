@@ -114,6 +114,7 @@ class CpuTier:
             index_address=self.index_address,
             store_id=node_id[:12] if role in save_from else None,
             load=role in load_into,
+            save_outputs=self.cfg.cpu_tier.save_outputs,
         )
 
     async def forget_lost_nodes(self) -> None:

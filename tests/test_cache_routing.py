@@ -7,7 +7,8 @@ tier, two ingress replicas sharing one port, the official openai client.
 - under `conditional`, a prompt with little left to compute is prefilled on the decode
   engine and a long one remotely, each decision counted on /metrics; without the tier, a
   chat is not homed on a decode engine whose cache other live histories crowd;
-- what the decode engine prefills itself reaches the CPU tier, for the prefill engines;
+- what the decode engine prefills itself reaches the CPU tier, for the prefill engines, and
+  so do the answers it generates, for a chat's next turn;
 - usage.prompt_tokens_details.cached_tokens is right on both paths.
 """
 
@@ -314,6 +315,35 @@ def test_a_prompt_prefilled_on_the_decode_engine_is_saved_to_the_tier(pd: Runnin
     while loaded_from_tier() - before < 32 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert loaded_from_tier() - before >= 32, prefill_tokens(pd)
+
+
+def test_a_chats_answer_computed_on_the_decode_engine_is_loaded_for_its_next_turn(pd: Running) -> None:
+    """The decode engine saves the blocks its generated tokens fill (cpu_tier.save_outputs):
+    the next turn, resending the answer as its prompt (token ids, as an agent with vLLM's
+    return_token_ids does), is prefilled remotely computing only what follows the answer's
+    last full block, not the answer again."""
+    client = openai.OpenAI(base_url=pd.url, api_key="-", max_retries=0, timeout=120)
+    first = prompt(110, 200)  # long and uncached: remote; the prefill engine saves its 6 full blocks
+    out = client.completions.create(model=MODEL, prompt=first, max_tokens=80, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    answer = out.choices[0].model_extra["token_ids"]
+    assert len(answer) == 80, out
+    # The decode engine computed the KV of tokens 0..278: blocks 6 and 7 (tokens 192..255)
+    # hold the prompt's tail and the answer, and only it computed them.
+    held = (len(first) + len(answer) - 1) // 32 * 32
+    assert held == 256
+    time.sleep(1.0)  # the index's commit of the decode engine's last writes
+    second = first + answer + prompt(111, 150)
+    before = sum(v.get("local_compute", 0) for v in prefill_tokens(pd).values())
+    remote_before = sum(finished_on(pd, "prefill").values())
+    complete(pd, second)
+    assert sum(finished_on(pd, "prefill").values()) == remote_before + 1, "the second turn was not prefilled remotely"
+    deadline = time.monotonic() + 30
+    while (computed := sum(v.get("local_compute", 0) for v in prefill_tokens(pd).values()) - before) == 0:
+        assert time.monotonic() < deadline, prefill_tokens(pd)
+        time.sleep(0.5)
+    # Without the answer's blocks in the tier: 430 - 192 = 238 computed.
+    assert 0 < computed <= len(second) - held, (computed, prefill_tokens(pd))
 
 
 def test_cached_tokens_on_the_local_path(pd: Running) -> None:

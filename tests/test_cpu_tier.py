@@ -231,18 +231,66 @@ def test_tier_pools_are_pool_roles() -> None:
 @pytest.mark.parametrize(
     ("disaggregation", "tier", "expected"),
     [
-        ("always", {}, ({"prefill", "both"}, {"prefill", "both"})),
+        ("always", {}, ({"prefill", "decode", "both"}, {"prefill", "both"})),
+        ("always", {"save_outputs": False}, ({"prefill", "both"}, {"prefill", "both"})),
         ("conditional", {}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
+        ("conditional", {"save_outputs": False}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
         ("never", {}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
         ("conditional", {"save_from": ["prefill"], "load_into": []}, ({"prefill"}, set())),
     ],
 )
 def test_tier_pools_default_to_the_pools_that_compute_prompts(
-    disaggregation: str, tier: dict[str, list[str]], expected: tuple[set[str], set[str]]
+    disaggregation: str, tier: dict[str, Any], expected: tuple[set[str], set[str]]
 ) -> None:
-    """A decode engine that may prefill (conditional, never) saves and loads unless told not to."""
+    """A decode engine that may prefill (conditional, never) saves and loads unless told not
+    to; one that only decodes saves the answers it generates (save_outputs) and loads nothing."""
     cfg = parse_config({"routing": {"disaggregation": disaggregation}, "cpu_tier": tier})
     assert cfg.tier_pools() == expected
+
+
+def planned_saves(save_outputs: bool, steps: list[int], num_prompt_tokens: int) -> list[list[int]]:
+    """The block ids a saving scheduler-role connector plans to save, step by step, for one
+    request whose tokens' KV is computed up to each of `steps` (a fake kv cache manager
+    hands out block ids 100, 101, ...; vLLM's configs faked: only the fields it reads)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connectors.offload import TandemCpuTierConnector
+
+    settings = TierSettings(index_address="tcp://127.0.0.1:9", store_id="s0", load=False, save_outputs=save_outputs)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=msgspec.to_builtins(settings), engine_id="e0"),
+        cache_config=SimpleNamespace(block_size=BS),
+    )
+    conn = TandemCpuTierConnector(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
+    total = max(steps) + 1
+    conn.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda rid: [list(range(100, 100 + total // BS + 1))],
+                                               block_pool=None))
+    # vLLM hashes every full block, generated tokens' included, as the tokens arrive.
+    req = SimpleNamespace(request_id="r", num_prompt_tokens=num_prompt_tokens, block_hashes=H[: total // BS],
+                          num_tokens=total, kv_transfer_params=None)
+    conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [[]]), 0)
+    planned, computed = [], 0
+    for after in steps:
+        out = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="r", num_computed_tokens=computed)] if not computed else [],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=["r"] if computed else [], num_computed_tokens=[computed] if computed else []),
+            num_scheduled_tokens={"r": after - computed},
+        )
+        planned.append([b for job in conn.build_connector_meta(out).saves for b in job.block_ids])
+        computed = after
+    conn.request_finished(req, [])
+    conn.shutdown()
+    return planned
+
+
+def test_a_saving_engine_saves_the_blocks_its_generated_tokens_fill() -> None:
+    """A decode engine's answer is the part of a chat's next prompt no prefill engine computed:
+    each block the generated tokens fill is saved as it fills (save_outputs), the prompt's
+    first; without save_outputs only the prompt's full blocks are."""
+    prompt = 2 * BS + 10  # two full prompt blocks, the third filled by generated tokens
+    steps = [prompt, prompt + 1, 3 * BS - 1, 3 * BS, 4 * BS + 5]  # the prefill, then decode steps
+    assert planned_saves(True, steps, prompt) == [[100, 101], [], [], [102], [103]]
+    assert planned_saves(False, steps, prompt) == [[100, 101], [], [], [], []]
 
 
 def test_clear_drops_every_block_but_keeps_stores() -> None:
