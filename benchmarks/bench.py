@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=["random", "conversation"], default=d.workload,
                    help="random prompts, or multi-turn chats after a shared system prompt of --input-len tokens (default %(default)s)")
     p.add_argument("--turns", type=int, default=d.turns, help="conversation: turns per chat (default %(default)s)")
+    p.add_argument("--replies", choices=["synthetic", "server"], default=d.replies,
+                   help="conversation: the history's answers are synthetic text, or the server's own, resent as the "
+                        "token ids it streamed, each turn sent once the one before has ended (default %(default)s)")
     p.add_argument("--duration", type=float, default=d.duration_s, dest="duration_s", help="stop sending this many seconds into a run (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, dest="request_timeout_s", help="seconds (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -124,6 +127,10 @@ def checked_scenarios(opts: BenchOptions) -> list[Scenario]:
     scenarios = parse_scenarios(scenario_names(opts))
     if any(s.kind == "ray-serve-llm" for s in scenarios) and (why := ray_serve_llm.missing()):
         raise ValueError(why)
+    if opts.replies == "server" and (opts.workload != "conversation" or opts.client != "tandem" or opts.overhead
+                                     or any(s.fault for s in scenarios)):
+        raise ValueError("--replies server applies to --workload conversation with Tandem's own load generator over "
+                         "HTTP: add --no-overhead (the direct runs send text) and leave out fault scenarios")
     if opts.address and (faulty := [s.name for s in scenarios if s.fault]):
         raise ValueError(f"{', '.join(faulty)}: fault scenarios SIGKILL engine processes on this host, so they run on the embedded Ray only, not with --address")
     return scenarios
@@ -258,7 +265,7 @@ def run_fault_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> Faul
 def workload_of(opts: BenchOptions) -> RandomWorkload | ConversationWorkload:
     if opts.workload == "conversation":
         # Each turn adds a user message of 32-96 tokens and a reply of --output-len.
-        return ConversationWorkload(opts.turns, opts.input_len, Uniform(32, 96), Fixed(opts.output_len))
+        return ConversationWorkload(opts.turns, opts.input_len, Uniform(32, 96), Fixed(opts.output_len), opts.replies)
     return RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len))
 
 

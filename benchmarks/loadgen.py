@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 import msgspec
@@ -31,6 +31,9 @@ from vllm.utils.gc_utils import freeze_gc_heap
 from benchmarks.server_cpu import CpuMeter, ServerCpu, cpu_between
 from benchmarks.stats import SLO, RequestResult, RunSummary, summarize
 from benchmarks.workloads import BenchRequest, WorkloadSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Arrival = Literal["poisson", "constant"]
 
@@ -102,6 +105,7 @@ class _Usage(msgspec.Struct):
 
 class _Choice(msgspec.Struct):
     text: str = ""
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's extension)
 
 
 class _Chunk(msgspec.Struct):
@@ -220,9 +224,11 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def _stream_one(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int, run_start: float
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int, run_start: float,
+    answer_ids: list[int] | None = None,
 ) -> RequestResult:
-    """Stream one completion; times are taken with perf_counter, offsets from `run_start`."""
+    """Stream one completion; times are taken with perf_counter, offsets from `run_start`.
+    `answer_ids`, if given, gets the generated token ids (the body asks for them)."""
     sent = time.perf_counter()
     token_times: list[float] = []
     usage = _Usage()
@@ -242,6 +248,8 @@ async def _stream_one(
                         break
                     if chunk.choices and chunk.choices[0].text:
                         token_times.append(time.perf_counter() - sent)
+                    if answer_ids is not None and chunk.choices and chunk.choices[0].token_ids:
+                        answer_ids.extend(chunk.choices[0].token_ids)
                     if chunk.usage is not None:
                         usage = chunk.usage
     except Exception as exc:  # one request's failure is a data point, not the run's end
@@ -286,7 +294,11 @@ class Sender(Protocol):
 
 
 class _Sender:
-    """Sends requests with a shared client, body template, timeout and concurrency cap."""
+    """Sends requests with a shared client, body template, timeout and concurrency cap.
+
+    A chat's turn (`BenchRequest.chat`) is sent as token ids: its previous turn's prompt and
+    the answer the server streamed for it, then the turn's own text. It waits for that turn
+    to end first; its times start when it is sent."""
 
     def __init__(
         self,
@@ -294,6 +306,7 @@ class _Sender:
         config: RunConfig,
         extra_body: dict[str, Any],
         progress: tqdm,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         self._client = client
         self._url = f"{config.base_url.rstrip('/')}/v1/completions"
@@ -301,6 +314,9 @@ class _Sender:
         self._extra_body = extra_body
         self._progress = progress
         self._slots = asyncio.Semaphore(config.concurrency) if config.concurrency else None
+        self._tokenizer = tokenizer
+        # Per chat: its latest turn's prompt and answer, as token ids, once that turn has ended.
+        self._chats: dict[int, asyncio.Future[list[int]]] = {}
 
     async def acquire(self) -> None:
         """Wait for a free slot under the concurrency cap (immediately when uncapped)."""
@@ -314,10 +330,13 @@ class _Sender:
     async def send(self, request: BenchRequest, index: int, run_start: float) -> RequestResult:
         """Send one request that already holds a slot; releases it when done."""
         body = request_body(self._config, request, self._extra_body)
+        answer: list[int] | None = None
+        if request.chat is not None:
+            body, answer, turn = await self._chat_turn(request, body)
         sent = time.perf_counter() - run_start
         timeout = self._config.request_timeout_s
         try:
-            call = _stream_one(self._client, self._url, body, index, run_start)
+            call = _stream_one(self._client, self._url, body, index, run_start, answer)
             return await asyncio.wait_for(call, timeout)
         except asyncio.TimeoutError:
             return RequestResult(
@@ -329,8 +348,22 @@ class _Sender:
                 error=f"timed out after {timeout:g} s",
             )
         finally:
+            if request.chat is not None:
+                turn.set_result(body["prompt"] + (answer or []))
             self.release()
             self._progress.update(1)
+
+    async def _chat_turn(
+        self, request: BenchRequest, body: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[int], asyncio.Future[list[int]]]:
+        """The body of a chat's turn with the history as token ids, the list its answer's ids
+        go to, and the future its history is handed on with (set when the turn ends)."""
+        assert self._tokenizer is not None, "run_load checks that chats come with a tokenizer"
+        earlier = self._chats.get(request.chat)
+        turn = self._chats[request.chat] = asyncio.get_running_loop().create_future()
+        history = await earlier if earlier is not None else []
+        own = self._tokenizer.encode(request.prompt, add_special_tokens=not history)
+        return {**body, "prompt": history + own, "return_token_ids": True}, [], turn
 
 
 async def _warm_up(sender: _Sender, requests: Sequence[BenchRequest]) -> None:
@@ -366,6 +399,7 @@ async def run_load(
     progress: bool = True,
     cpu_meter: CpuMeter | None = None,
     stop: threading.Event | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> RunResult:
     """Drive one run against `base_url` and measure it.
 
@@ -377,10 +411,13 @@ async def run_load(
     measured phase lands in the summary's `server_metrics`. `workload`, if given, is only
     recorded in the config. `cpu_meter`, if given, reads the server's processes over the
     measured phase (`RunResult.server_cpu`). `stop`, if given and set (from any thread),
-    ends sending early, as `duration_s` does.
+    ends sending early, as `duration_s` does. `tokenizer` encodes the turns of chats whose
+    history is the server's answers (`BenchRequest.chat`), sent as token ids.
     """
     if warmup < 0 or (concurrency is not None and concurrency < 1):
         raise ValueError("warmup must be >= 0 and concurrency >= 1")
+    if tokenizer is None and any(r.chat is not None for r in requests):
+        raise ValueError("chats whose history is the server's answers are sent as token ids: pass a tokenizer")
     config = RunConfig(
         base_url=base_url,
         model=model,
@@ -405,7 +442,7 @@ async def run_load(
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
         bar = tqdm(total=len(measured), desc=label or "bench", unit="req", disable=not progress)
         with bar:
-            sender = _Sender(client, config, extra_body or {}, bar)
+            sender = _Sender(client, config, extra_body or {}, bar, tokenizer)
             await _warm_up(sender, requests[:warmup])
             bar.reset()
             before = await scrape_metrics(base_url, metric_names, client) if metric_names else {}
@@ -499,5 +536,5 @@ async def run_sweep(
     for k, value in enumerate(rates if rates is not None else concurrencies):
         requests = workload.sample(warmup + num_requests, seed + k, tokenizer)
         kwargs = {**run_kwargs, key: value, "seed": seed + k, "warmup": warmup}
-        results.append(await run_load(base_url, model, requests, workload=workload, **kwargs))
+        results.append(await run_load(base_url, model, requests, workload=workload, tokenizer=tokenizer, **kwargs))
     return results

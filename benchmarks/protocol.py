@@ -38,6 +38,9 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     # after one shared system prompt (the routing benchmark's workload).
     workload: Literal["random", "conversation"] = "random"
     turns: int = 6  # conversation: turns per chat
+    # conversation: the history's assistant turns are synthetic text, or the server's own
+    # answers, resent as the token ids it streamed (each turn then waits for the one before).
+    replies: Literal["synthetic", "server"] = "synthetic"
     duration_s: float = 60.0  # no measured request is sent later than this into a run
     request_timeout_s: float = 120.0
     seed: int = 0

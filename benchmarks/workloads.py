@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -84,6 +84,9 @@ class BenchRequest(msgspec.Struct, frozen=True):
     prompt: str
     max_tokens: int
     prompt_tokens: int | None = None  # true token count when built against a tokenizer
+    # A turn of this chat whose history is the server's own: the load generator sends, as
+    # token ids, the chat's previous turn's prompt and answer followed by `prompt`.
+    chat: int | None = None
 
 
 class Workload(Protocol):
@@ -182,8 +185,13 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
 
     Every prompt starts with the same system prompt (a prefix shared across conversations),
     and turn k of a conversation extends turn k-1's prompt (a prefix shared within one).
-    The assistant replies in the history are synthetic text of the sampled reply length,
-    not the server's answers, so the requests can be generated before the run. Requests are
+    With `replies="synthetic"` the assistant replies in the history are synthetic text of
+    the sampled reply length, not the server's answers, so the requests are whole before the
+    run. With `replies="server"` each turn holds only its new text (`BenchRequest.chat` set):
+    the load generator sends the chat's previous prompt and the server's answer to it as
+    token ids, then this turn's, as a client that keeps the tokens it got does (an agent on
+    vLLM's `return_token_ids`), so the answer's KV on the decode engine is the history's.
+    Requests are
     ordered turn by turn (every conversation's first turn, then every second turn, ...), so a
     turn's prefix has been computed by the time it is sent; within a turn the conversations
     come in a new random order each time, as chats do not move in lockstep (in a fixed order,
@@ -194,6 +202,7 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
     system_len: int
     user_len: LengthDist
     reply_len: LengthDist  # max_tokens of each turn, and the length of its synthetic reply
+    replies: Literal["synthetic", "server"] = "synthetic"
 
     def sample(
         self, num_requests: int, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
@@ -210,6 +219,10 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
             turn = []
             for c, (n_user, n_reply) in enumerate(zip(users, replies)):
                 prompt = f"{histories[c]}User: {maker.text(n_user)}\nAssistant:"
+                if self.replies == "server":
+                    turn.append(BenchRequest(prompt, n_reply, chat=c))
+                    histories[c] = "\n"  # what follows the answer, before the next user message
+                    continue
                 turn.append(BenchRequest(prompt, n_reply, maker.count(prompt)))
                 histories[c] = f"{prompt} {maker.text(n_reply)}\n"
             by_turn.append(turn)

@@ -175,6 +175,20 @@ def test_rounds_are_checked_and_run_every_scenario_once_per_round_every_other_ro
         checked_scenarios(msgspec.structs.replace(opts, client="tandem"))
 
 
+def test_server_replies_are_for_conversations_over_http_without_fault_scenarios() -> None:
+    from benchmarks.bench import checked_scenarios, workload_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts = options_from_args(parser.parse_args(["--workload", "conversation", "--replies", "server", "--no-overhead",
+                                                "--scenarios", "1p1d"]))
+    assert [s.name for s in checked_scenarios(opts)] == ["1p1d"]
+    assert workload_of(opts).replies == "server"
+    for bad in ({"overhead": True}, {"workload": "random"}, {"client": "vllm"}, {"scenarios": "1p1d,fault:decode"}):
+        with pytest.raises(ValueError, match="--replies server applies to --workload conversation"):
+            checked_scenarios(msgspec.structs.replace(opts, **bad))
+
+
 def test_the_default_scenarios_add_a_plain_vllm_server_and_ray_serve_llm_on_one_machine_only() -> None:
     assert scenario_names(BenchOptions()) == "colocated:1,1p1d,vllm-server,ray-serve-llm"
     assert scenario_names(BenchOptions(address="10.0.0.1:6379")) == "colocated:1,1p1d"

@@ -122,6 +122,19 @@ def test_conversation_history_holds_a_reply_of_the_previous_max_tokens() -> None
     assert len(reply.split()) == first.max_tokens
 
 
+def test_a_conversation_of_server_replies_holds_only_each_turns_new_text() -> None:
+    """The load generator puts the chat's earlier prompt and the server's answer before it."""
+    synthetic = ConversationWorkload(turns=3, system_len=4, user_len=Fixed(2), reply_len=Fixed(3)).sample(6, seed=1)
+    live = ConversationWorkload(turns=3, system_len=4, user_len=Fixed(2), reply_len=Fixed(3), replies="server").sample(6, seed=1)
+    assert [r.max_tokens for r in live] == [r.max_tokens for r in synthetic]
+    first, later = live[:2], live[2:]
+    assert sorted(r.chat for r in first) == sorted(r.chat for r in later[:2]) == [0, 1]
+    assert all(r.prompt.startswith("System: ") and r.prompt.endswith("\nAssistant:") for r in first)
+    # A later turn: what follows the answer, the user's message and the assistant's cue.
+    assert all(r.prompt.startswith("\nUser: ") and r.prompt.endswith("\nAssistant:") for r in later)
+    assert all(len(r.prompt.split()) == 4 for r in later)  # "User:", the two words, "Assistant:"
+
+
 def test_conversations_stop_at_the_requested_count() -> None:
     workload = ConversationWorkload(turns=4, system_len=3, user_len=Fixed(2), reply_len=Fixed(2))
     assert len(workload.sample(7, seed=0)) == 7

@@ -38,6 +38,8 @@ class FakeServer:
     def __init__(self) -> None:
         self.bodies: list[dict] = []
         self.finished = 0
+        # (received, ended) perf_counter times of each request, in order of arrival.
+        self.spans: list[list[float]] = []
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/metrics", self.metrics),
@@ -47,6 +49,7 @@ class FakeServer:
     async def completions(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
+        self.spans.append([time.perf_counter(), 0.0])
         if body["prompt"] == "FAIL":
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
         if body["prompt"] == "LINE_BREAKS":
@@ -57,9 +60,9 @@ class FakeServer:
         if body["prompt"] == "OLD_BREAK":
             chunk = {"object": "error", "message": "old-style failure"}
             return StreamingResponse(iter([f"data: {json.dumps(chunk)}\n\n"]))
-        return StreamingResponse(self._stream(body), media_type="text/event-stream")
+        return StreamingResponse(self._stream(body, self.spans[-1]), media_type="text/event-stream")
 
-    async def _stream(self, body: dict) -> AsyncIterator[str]:
+    async def _stream(self, body: dict, span: list[float]) -> AsyncIterator[str]:
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
@@ -67,16 +70,19 @@ class FakeServer:
         for i in range(body["max_tokens"]):
             if i:
                 await asyncio.sleep(ITL_S)
-            yield event({"choices": [{"index": 0, "text": f" t{i}"}]})
+            ids = {"token_ids": [900 + i]} if body.get("return_token_ids") else {}
+            yield event({"choices": [{"index": 0, "text": f" t{i}", **ids}]})
             if body["prompt"] == "BREAK":
                 yield event({"error": {"message": "engine died", "code": 500}})
                 return
+        prompt = body["prompt"]
         usage = {
-            "prompt_tokens": len(body["prompt"].split()),
+            "prompt_tokens": len(prompt) if isinstance(prompt, list) else len(prompt.split()),
             "completion_tokens": body["max_tokens"],
             "prompt_tokens_details": {"cached_tokens": 1},
         }
         self.finished += 1  # before the client can see the end, so a scrape after it counts it
+        span[1] = time.perf_counter()
         yield event({"choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
@@ -230,6 +236,34 @@ def test_a_refused_connection_is_a_failure() -> None:
     result = _run(f"http://127.0.0.1:{free_port()}", _requests(1))
     assert result.summary.num_failed == 1
     assert "ConnectError" in result.requests[0].error
+
+
+class CharTokenizer:
+    """Token ids of text: one per character (its code point), after a BOS of 1 if asked."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_a_chats_turn_resends_the_servers_answer_as_token_ids_once_the_turn_before_ended(server) -> None:
+    fake, url = server
+    turns = [BenchRequest("ab", 3, chat=0), BenchRequest("x", 2, chat=1), BenchRequest("c", 2, chat=0)]
+    result = _run(url, turns, tokenizer=CharTokenizer())  # all due at once: chat 0's second turn waits for its first
+    assert result.summary.num_completed == 3
+    first, other, second = fake.bodies
+    assert first["prompt"] == [1, ord("a"), ord("b")] and first["return_token_ids"] is True
+    assert other["prompt"] == [1, ord("x")]
+    # The first turn's prompt, the answer the server streamed for it (900, 901, 902), then
+    # the turn's own text, with no BOS in the middle.
+    assert second["prompt"] == [1, ord("a"), ord("b"), 900, 901, 902, ord("c")]
+    assert fake.spans[2][0] >= fake.spans[0][1] > 0
+    assert result.requests[2].prompt_tokens == 7
+
+
+def test_chats_of_server_answers_need_a_tokenizer(server) -> None:
+    _, url = server
+    with pytest.raises(ValueError, match="tokenizer"):
+        asyncio.run(run_load(url, "fake", [BenchRequest("ab", 3, chat=0)], progress=False))
 
 
 def test_host_cpu_is_the_busy_and_stolen_share_of_all_cpu_time(tmp_path) -> None:
