@@ -56,7 +56,7 @@ class TierSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load: bool = True
     # Whether a saving engine also saves the full blocks of the tokens it generates, not only
     # of the prompt (cpu_tier.save_outputs).
-    save_outputs: bool = True
+    save_outputs: bool = False
 
 
 class StoreStats(msgspec.Struct, frozen=True):

@@ -302,15 +302,17 @@ class CpuTierConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # engines load held prefixes from it instead of computing them. Unset (null), both are
     # the pools that compute prompts: prefill and colocated engines, and decode engines too
     # when routing.disaggregation lets them prefill (conditional, never); decode engines
-    # save in every mode while save_outputs is on. See TandemConfig.tier_pools.
+    # save in every mode when save_outputs is on. See TandemConfig.tier_pools.
     save_from: frozenset[PoolRole] | None = None
     load_into: frozenset[PoolRole] | None = None
     # Saving engines save the full blocks of the tokens they generate too, not only those of
     # the prompt. A chat's next turn resends the answer, whose KV only its decode engine
     # computed: with this the prefill engine loads the answer from the tier instead of
-    # computing it again. Off: only prompt blocks are saved (one-shot traffic, whose answers
-    # never come back as a prompt, then spares the tier's room and the decode engines' writes).
-    save_outputs: bool = True
+    # computing it again, where the client resends the tokens it got (token ids, or text that
+    # tokenizes back to them). Off by default: on the long-chat bench with the server's
+    # answers it cut the prompt tokens computed from 13% to 10% but not the TTFT, and the
+    # decode engine's writes share its cores (docs/bench-results.md, run 67).
+    save_outputs: bool = False
     # The port engines reach the tier's index on, on the head node (the index's channel).
     # Unset: one that is free when the deployment starts; a restarted index keeps it.
     index_port: Port | None = None

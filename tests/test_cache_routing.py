@@ -44,6 +44,7 @@ CONFIG = {
     "decode": {"replicas": 1},
     "routing": {"policy": "kv_aware", "disaggregation": "conditional", "local_prefill_max_tokens": LOCAL_MAX},
     "serve": {"ingress_replicas": 2},
+    "cpu_tier": {"save_outputs": True},  # for the answer's reuse; the rest runs alike without it
 }
 
 
@@ -318,7 +319,7 @@ def test_a_prompt_prefilled_on_the_decode_engine_is_saved_to_the_tier(pd: Runnin
 
 
 def test_a_chats_answer_computed_on_the_decode_engine_is_loaded_for_its_next_turn(pd: Running) -> None:
-    """The decode engine saves the blocks its generated tokens fill (cpu_tier.save_outputs):
+    """The decode engine saves the blocks its generated tokens fill (cpu_tier.save_outputs on):
     the next turn, resending the answer as its prompt (token ids, as an agent with vLLM's
     return_token_ids does), is prefilled remotely computing only what follows the answer's
     last full block, not the answer again."""

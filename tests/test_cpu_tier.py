@@ -231,10 +231,10 @@ def test_tier_pools_are_pool_roles() -> None:
 @pytest.mark.parametrize(
     ("disaggregation", "tier", "expected"),
     [
-        ("always", {}, ({"prefill", "decode", "both"}, {"prefill", "both"})),
-        ("always", {"save_outputs": False}, ({"prefill", "both"}, {"prefill", "both"})),
+        ("always", {}, ({"prefill", "both"}, {"prefill", "both"})),
+        ("always", {"save_outputs": True}, ({"prefill", "decode", "both"}, {"prefill", "both"})),
         ("conditional", {}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
-        ("conditional", {"save_outputs": False}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
+        ("conditional", {"save_outputs": True}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
         ("never", {}, ({"prefill", "decode", "both"}, {"prefill", "decode", "both"})),
         ("conditional", {"save_from": ["prefill"], "load_into": []}, ({"prefill"}, set())),
     ],
