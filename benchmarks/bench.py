@@ -47,8 +47,8 @@ from benchmarks.phases import (
     router_phases_from_traces,
     ttft_phases,
 )
-from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport
-from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, shared_ray
+from benchmarks.protocol import BenchOptions, BenchReport, CpuMatched, ScenarioReport, round_label
+from benchmarks.scenarios import DEFAULT_CLUSTER_SCENARIOS, DEFAULT_SCENARIOS, Scenario, Target, deployed, free_ports, parse_scenarios, round_order, shared_ray
 from benchmarks.server_cpu import CpuMeter
 from benchmarks.stats import SLO
 from benchmarks.workloads import ConversationWorkload, Fixed, RandomWorkload, Uniform, load_tokenizer
@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", choices=["tandem", "vllm"], default=d.client,
                    help="load generator: Tandem's own (all tables and plots) or vLLM's `vllm bench serve` on the random workload (default %(default)s)")
     p.add_argument("--rounds", type=int, default=d.rounds,
-                   help="--client vllm: measure every scenario this many times, in turn, and report the median of each round's ratios to the plain vLLM server (default %(default)s)")
+                   help="deploy and measure every scenario this many times, in turn (every other round reversed), and report the median of each round's ratios "
+                        "to the plain vLLM server (--client vllm) or to the first scenario listed (Tandem's load generator) (default %(default)s)")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="offered request rates to sweep, req/s (default %(default)s)")
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="measured requests per rate (default %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests before each rate (default %(default)s)")
@@ -122,9 +123,11 @@ def checked_scenarios(opts: BenchOptions) -> list[Scenario]:
     that do not apply."""
     if opts.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, not {opts.rounds}")
-    if opts.rounds > 1 and opts.client != "vllm":
-        raise ValueError("--rounds applies to --client vllm only (Tandem's own load generator measures each scenario once)")
+    if opts.rounds > 1 and opts.target_url:
+        raise ValueError("--rounds deploys every scenario once per round; a --target-url server is measured once (leave out --rounds)")
     scenarios = parse_scenarios(scenario_names(opts))
+    if opts.rounds > 1 and (faulty := [s.name for s in scenarios if s.fault]):
+        raise ValueError(f"{', '.join(faulty)}: fault scenarios run once; leave them out of a bench with --rounds")
     if any(s.kind == "ray-serve-llm" for s in scenarios) and (why := ray_serve_llm.missing()):
         raise ValueError(why)
     if opts.replies == "server" and (opts.workload != "conversation" or opts.client != "tandem" or opts.overhead
@@ -198,21 +201,24 @@ def run_cpu_matched(setup: _Setup, target: Target, meter: CpuMeter, runs: list[R
     return matched
 
 
-def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: ScenarioReport | None = None) -> tuple[ScenarioReport, KVGeometry | None]:
+def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: ScenarioReport | None = None,
+                 round: int | None = None) -> tuple[ScenarioReport, KVGeometry | None]:
     """Deploy, sweep over HTTP, run the direct path, tear down; the KV geometry of Tandem engines.
 
     A vLLM server given the `reference` (colocated:1's report) also gets its CPU-matched runs.
+    `round`: which of several rounds this is (None: the bench runs one).
     """
     o = setup.opts
+    label = round_label(scenario.name, round)
     # A vLLM server exposes its engine-core timings under vllm: names; only those match there.
     names = metric_names() if scenario.is_tandem else list(VLLM_SERVER_METRICS)
     with deployed(scenario, setup.base, setup.port, log_dir) as target:
         logger.info("%s up in %.0f s at %s", scenario.name, target.startup_s, target.base_url)
         meter = server_cpu_meter(target, embedded=not o.address)
-        runs = _sweep(setup, target.base_url, target.model, scenario.name, names if target.metrics else [], meter)
+        runs = _sweep(setup, target.base_url, target.model, label, names if target.metrics else [], meter)
         if not scenario.is_tandem:
             matched = run_cpu_matched(setup, target, meter, runs, reference) if reference is not None and meter is not None else []
-            return ScenarioReport(scenario, target.startup_s, runs, cpu_matched=matched), None
+            return ScenarioReport(scenario, target.startup_s, runs, cpu_matched=matched, round=round), None
         infos = target.deployment.infos
         geometry = KVGeometry.from_model(resolve_local(setup.base.model.source), infos[0].block_size)
         direct: list[tuple[RunResult, list[RequestTrace]]] = []
@@ -223,7 +229,7 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
                 router = Router(target.deployment.routing_engines(), setup.base.routing, setup.base.stream_batch_s)
                 direct.append(asyncio.run(run_direct(
                     router, target.model, requests, setup.tokenizer,
-                    rate=rate, seed=o.seed + k, label=f"{scenario.name} direct", metrics_url=target.base_url, metric_names=names,
+                    rate=rate, seed=o.seed + k, label=f"{label} direct", metrics_url=target.base_url, metric_names=names,
                     duration_s=o.duration_s, slo=setup.slo, request_timeout_s=o.request_timeout_s, workload=setup.workload, cpu_meter=meter,
                 )))
         slowest = asyncio.run(scrape_metrics(target.base_url, [KV_MAX], combine=max)).get(KV_MAX)
@@ -236,17 +242,17 @@ def run_scenario(setup: _Setup, scenario: Scenario, log_dir: Path, reference: Sc
                                   (s.ttft_ms.mean or 0.0) / 1000, requests_with_first_token(s.server_metrics),
                                   decode_share_from_metrics(s.server_metrics))
         if k == 0:
-            phases[f"{scenario.name} HTTP"] = http_phases
+            phases[f"{label} HTTP"] = http_phases
         if k < len(direct):
             d, traces = direct[k]
             direct_phases = ttft_phases(router_phases_from_traces(traces), d.summary.server_metrics, disaggregated,
                                         num_requests=sum(t.t_first_token is not None for t in traces),
                                         decode_share=decode_share_from_traces(traces))
             if k == 0:
-                phases[f"{scenario.name} direct"] = direct_phases
+                phases[f"{label} direct"] = direct_phases
             overhead.append(Overhead(run.config.rate, PathFigures.of(run, http_phases), PathFigures.of(d, direct_phases)))
     phases_ms = {name: {p: 1000 * sec for p, sec in v.items()} for name, v in phases.items()}
-    return ScenarioReport(scenario, target.startup_s, runs, [d for d, _ in direct], phases_ms, overhead, slowest or None), geometry
+    return ScenarioReport(scenario, target.startup_s, runs, [d for d, _ in direct], phases_ms, overhead, slowest or None, round=round), geometry
 
 
 def run_fault_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> FaultReport:
@@ -270,7 +276,9 @@ def workload_of(opts: BenchOptions) -> RandomWorkload | ConversationWorkload:
 
 
 def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
-    """Every scenario in turn (at most one deployed at a time), then the NIXL microbenchmark."""
+    """Every scenario in turn (at most one deployed at a time), `rounds` times, then the NIXL
+    microbenchmark. A plain vLLM server's CPU-matched runs need colocated:1 earlier in the
+    same round."""
     t0 = time.perf_counter()
     opts = msgspec.structs.replace(opts, scenarios=scenario_names(opts))  # so that bench.json names what ran
     scenarios = checked_scenarios(opts)
@@ -287,12 +295,13 @@ def run_bench(opts: BenchOptions, out: Path) -> BenchReport:
         return BenchReport(opts, command, [report], elapsed_s=time.perf_counter() - t0)
     reports, faults, geometry = [], [], None
     with shared_ray(base, scenarios, opts.address):
-        for scenario in scenarios:
+        for r, scenario in round_order(scenarios, opts.rounds):
             if scenario.fault:
                 faults.append(run_fault_scenario(setup, scenario, out / "logs"))
                 continue
-            reference = next((r for r in reports if r.scenario.name == REFERENCE_SCENARIO), None) if scenario.kind == "vllm-server" else None
-            report, found = run_scenario(setup, scenario, out / "logs", reference)
+            which = r if opts.rounds > 1 else None
+            reference = next((x for x in reports if x.scenario.name == REFERENCE_SCENARIO and x.round == which), None) if scenario.kind == "vllm-server" else None
+            report, found = run_scenario(setup, scenario, out / "logs", reference, which)
             reports.append(report)
             geometry = geometry or found
     micro = []

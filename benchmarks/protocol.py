@@ -23,11 +23,12 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     # KV tables, the plots) or vLLM's `vllm bench serve` (benchmarks.vllm_bench: the figures
     # an outside user of vLLM's client gets).
     client: Literal["tandem", "vllm"] = "tandem"
-    # vLLM's client only: deploy and measure every scenario this many times, in turn (every
-    # other round in reverse order). This host's speed drifts over minutes (the plain server's
-    # own TPOT p50 1.8-2.8 ms from one run to the next), so a ratio between two scenarios
-    # measured minutes apart is as noisy; each round's ratios set scenarios against the plain
-    # server of the same round, and the report gives their median.
+    # Deploy and measure every scenario this many times, in turn (every other round in
+    # reverse order), each round sending the same requests to fresh deployments. This host's
+    # speed drifts over minutes (the plain server's own TPOT p50 1.8-2.8 ms from one run to
+    # the next), so a ratio between two scenarios measured minutes apart is as noisy; each
+    # round's ratios set scenarios against a reference of the same round (vLLM's client: the
+    # plain server; Tandem's: the first scenario listed), and the report gives their median.
     rounds: int = 1
     rates: tuple[float, ...] = (1.0, 2.0)  # offered requests/s, Poisson arrivals
     num_requests: int = 40  # measured requests per rate
@@ -63,6 +64,11 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     fault_tail_s: float = 10.0
 
 
+def round_label(name: str, round: int | None) -> str:
+    """A scenario's name, with its round (from 0) when the bench ran several."""
+    return name if round is None else f"{name}, round {round + 1}"
+
+
 class CpuMatched(msgspec.Struct, frozen=True):
     """A plain vLLM server's run beside a ballast of the extra CPU Tandem's stack took."""
 
@@ -83,6 +89,12 @@ class ScenarioReport(msgspec.Struct, frozen=True):
     # scenario; None where nothing was transferred or the server is not Tandem.
     kv_max_s: float | None = None
     cpu_matched: list[CpuMatched] = []  # vllm-server after colocated:1 only, one per rate
+    round: int | None = None  # which of BenchOptions.rounds, from 0; None: the bench ran one round
+
+    @property
+    def label(self) -> str:
+        """The scenario's name in tables, plots and file names, its round added when there were several."""
+        return round_label(self.scenario.name, self.round)
 
     def kv_total(self, name: str) -> float:
         """A KV counter's growth over every run of the scenario."""

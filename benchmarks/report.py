@@ -48,7 +48,7 @@ from benchmarks.phases import (
 from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport
 from benchmarks.scenarios import Scenario
 from benchmarks.server_cpu import ServerCpu
-from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, goodput_from_sweep
+from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, RunSummary, goodput_from_sweep, summarize
 
 SweepAxis = Literal["rate", "concurrency"]
 
@@ -360,14 +360,14 @@ def overhead_table(scenarios: Sequence[ScenarioReport]) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s, o in rows:
-        cells = [s.scenario.name, f"{o.rate:g}"]
+        cells = [s.label, f"{o.rate:g}"]
         for f in ("ttft_mean_ms", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"):
             cells += [f"{_ms(getattr(o.http, f))} / {_ms(getattr(o.direct, f))}", _ms(o.added_ms(f))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Split by phase (mean ms per request):", "", "| Scenario | Rate (req/s) | Phase | HTTP | direct | added by HTTP path |",
               "| --- | ---: | --- | ---: | ---: | ---: |"]
     for s, o in rows:
-        lines += [f"| {s.scenario.name} | {o.rate:g} | {phase} | {_ms(h)} | {_ms(d)} | {_ms(a)} |" for phase, h, d, a in o.phase_rows()]
+        lines += [f"| {s.label} | {o.rate:g} | {phase} | {_ms(h)} | {_ms(d)} | {_ms(a)} |" for phase, h, d, a in o.phase_rows()]
     return "\n".join(lines) + "\n"
 
 
@@ -387,7 +387,7 @@ def transfer_table(report: BenchReport) -> str:
         share = f"{100 * rate / raw.gib_per_s:.1f}%" if rate and raw and raw.gib_per_s else "—"
         slowest = _ms(None if s.kv_max_s is None else 1000 * s.kv_max_s)
         lines.append(
-            f"| {s.scenario.name} | {n:.0f} | {s.kv_total(KV_BYTES) / n:,.0f} | {1000 * s.kv_total(KV_SECONDS) / n:.2f} | "
+            f"| {s.label} | {n:.0f} | {s.kv_total(KV_BYTES) / n:,.0f} | {1000 * s.kv_total(KV_SECONDS) / n:.2f} | "
             f"{_ms(rate) if rate is None else f'{rate:.3f}'} | {share} | {slowest} | {s.kv_total(KV_SLOW):.0f} |"
         )
     if len(lines) > 2:
@@ -414,17 +414,28 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
     compare vLLM's own time to first token and TPOT, timed by the engine core, in both servers;
     the last two show the CPU each server's processes used and the host's stolen time.
     """
-    by_name = {s.scenario.name: s for s in scenarios}
-    tandem, plain = by_name.get("colocated:1"), by_name.get("vllm-server")
-    if tandem is None or plain is None:
+    by_round: dict[int | None, dict[str, ScenarioReport]] = {}
+    for s in scenarios:
+        by_round.setdefault(s.round, {})[s.scenario.name] = s
+    pairs = [(r["colocated:1"], r["vllm-server"]) for r in by_round.values() if "colocated:1" in r and "vllm-server" in r]
+    if not pairs:
         return ""
     lines = [
         "| Rate (req/s) | Metric (p50, ms) | vLLM server | Tandem colocated:1 | Tandem − vLLM | Tandem direct to the engine actor | of which HTTP path "
         "| of which engine side | vLLM server beside Tandem's extra CPU | Verdict |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    for tandem, plain in pairs:
+        lines += _vllm_rows(tandem, plain)
+    return "\n".join(lines) + "\n"
+
+
+def _vllm_rows(tandem: ScenarioReport, plain: ScenarioReport) -> list[str]:
+    """vllm_comparison's rows for one round's pair, rate by rate."""
+    lines = []
     for t, v in zip(tandem.runs, plain.runs):
         rate = t.config.rate
+        at = f"{rate:g}" if tandem.round is None else f"{rate:g}, round {tandem.round + 1}"
         o = tandem.overhead_at(rate)
         d = next((r for r in tandem.direct if r.config.rate == rate), None)
         m = next((c for c in plain.cpu_matched if c.run.config.rate == rate), None)
@@ -451,7 +462,7 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
             else:
                 verdict = f"{100 * diff / a:+.0f}% (no direct run at this rate)"
             lines.append(
-                f"| {rate:g} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
+                f"| {at} | {label} | {a:.1f} | {b:.1f} | {diff:+.1f} | {_ms(direct)} | "
                 f"{_signed_ms(http_part)} | {_signed_ms(engine_part)} | {_ms(matched)} | {verdict} |"
             )
         for label, engine_ms in (
@@ -464,22 +475,22 @@ def vllm_comparison(scenarios: Sequence[ScenarioReport]) -> str:
             direct = engine_ms(d.summary.server_metrics) if d is not None else None
             matched = engine_ms(m.run.summary.server_metrics) if m is not None else None
             lines.append(
-                f"| {rate:g} | {label} | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
+                f"| {at} | {label} | {a:.1f} | {b:.1f} | {b - a:+.1f} | "
                 f"{_ms(direct)} | | | {_ms(matched)} | {100 * (b - a) / a:+.0f}% in the engine itself |"
             )
         if t.server_cpu is not None and v.server_cpu is not None:
             note = "ballast: Tandem direct's rest − vLLM server's rest" if m is not None else "no CPU-matched run"
             lines.append(
-                f"| {rate:g} | CPU of the server's processes, cores: vLLM engine / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
+                f"| {at} | CPU of the server's processes, cores: vLLM engine / rest | {_cpu(v.server_cpu)} | {_cpu(t.server_cpu)} | "
                 f"{t.server_cpu.other - v.server_cpu.other:+.2f} rest | {_cpu(d.server_cpu if d else None)} | | | "
                 f"{_cpu(m.run.server_cpu if m else None)} | {note} |"
             )
         if t.host_cpu is not None and v.host_cpu is not None:
             lines.append(
-                f"| {rate:g} | host CPU time stolen by the hypervisor | {_stolen(v)} | {_stolen(t)} | | {_stolen(d)} | | | {_stolen(m.run if m else None)} | "
+                f"| {at} | host CPU time stolen by the hypervisor | {_stolen(v)} | {_stolen(t)} | | {_stolen(d)} | | | {_stolen(m.run if m else None)} | "
                 "time stolen slows a run's server, whichever it is |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 _WINDOWS: tuple[tuple[WindowName, str], ...] = (
@@ -507,7 +518,7 @@ def routing_table(scenarios: Sequence[ScenarioReport]) -> str:
         def share(name: str) -> str:
             return f"{100 * m[name] / prompt:.0f}%" if prompt and name in m else "n/a"
 
-        rows.append(f"| {s.scenario.name} | {_ms(run.ttft_ms.p50)} | {_ms(run.ttft_ms.p99)} | {_ms(run.tpot_ms.p50)} "
+        rows.append(f"| {s.label} | {_ms(run.ttft_ms.p50)} | {_ms(run.ttft_ms.p99)} | {_ms(run.tpot_ms.p50)} "
                     f"| {share(CACHE_HIT_TOKENS)} | {share(TIER_TOKENS)} | {share(COMPUTED_TOKENS)} "
                     f"| {int(m.get(LOCAL_PREFILLS, 0))} | {run.goodput or 0:.2f} | {run.num_completed}/{run.num_requests} |")
     if not rows:
@@ -516,6 +527,50 @@ def routing_table(scenarios: Sequence[ScenarioReport]) -> str:
             "| local prefills | goodput (req/s) | completed |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     return (head + "\n".join(rows) + "\n\nToken shares are of the prompt tokens clients sent (an engine's hit on a "
             "remote prefill and the decode engine's own hit may both count).\n")
+
+
+def pooled_summary(runs: Sequence[RunResult]) -> RunSummary:
+    """One summary over the measured requests of several runs (rounds of one scenario at one
+    rate): percentiles of all their requests together, durations summed."""
+    requests = [q for run in runs for q in run.requests]
+    return summarize(requests, sum(run.summary.duration_s for run in runs), runs[0].summary.slo)
+
+
+def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """With several rounds: every scenario's TTFT p50 and mean over the first scenario's in the
+    same round, round by round, the median of those ratios, and the figures of every round's
+    requests pooled (with their ratio to the first scenario's pooled). Empty with one round.
+    A ratio within a round sets two deployments minutes apart; their median over rounds run
+    in alternating order is what a host drifting over the whole bench does not move."""
+    rounds = sorted({s.round for s in scenarios if s.round is not None})
+    if len(rounds) < 2:
+        return ""
+    names = list(dict.fromkeys(s.scenario.name for s in scenarios))
+    grid = {(s.scenario.name, s.round): s for s in scenarios}
+    reference = names[0]
+    num_rates = min(len(s.runs) for s in scenarios)
+    lines = ["| scenario | rate (req/s) | pooled TTFT p50 / mean / p99 (ms) | pooled TPOT p50 (ms) | "
+             + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds) + f" | median of rounds: p50 / mean | pooled: p50 / mean / p99 |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rounds) + " | ---: | ---: |"]
+    for k in range(num_rates):
+        ref_pooled = pooled_summary([grid[reference, r].runs[k] for r in rounds if (reference, r) in grid])
+        for name in names:
+            mine = [(r, grid[name, r].runs[k]) for r in rounds if (name, r) in grid]
+            pooled = pooled_summary([run for _, run in mine])
+            ratios: dict[int, tuple[float, float]] = {}
+            for r, run in mine:
+                ref = grid.get((reference, r))
+                a, b = run.summary.ttft_ms, ref.runs[k].summary.ttft_ms if ref else Percentiles()
+                if a.p50 and a.mean and b.p50 and b.mean:
+                    ratios[r] = (a.p50 / b.p50, a.mean / b.mean)
+            cells = [f"{ratios[r][0]:.2f}x / {ratios[r][1]:.2f}x" if r in ratios else "—" for r in rounds]
+            median = (f"{statistics.median(x[0] for x in ratios.values()):.2f}x / {statistics.median(x[1] for x in ratios.values()):.2f}x"
+                      if ratios else "—")
+            t, ref_t = pooled.ttft_ms, ref_pooled.ttft_ms
+            whole = " / ".join(f"{x / y:.2f}x" if x and y else "—" for x, y in ((t.p50, ref_t.p50), (t.mean, ref_t.mean), (t.p99, ref_t.p99)))
+            lines.append(f"| {name} | {mine[0][1].config.rate:g} | {_ms(t.p50)} / {_ms(t.mean)} / {_ms(t.p99)} | {_ms(pooled.tpot_ms.p50)} | "
+                         + " | ".join(cells) + f" | {median} | {whole} |")
+    return "\n".join(lines) + f"\n\nRatios are to {reference} (the first scenario listed) in the same round; every round sends the same requests to fresh deployments.\n"
 
 
 def fault_table(faults: Sequence[FaultReport]) -> str:
@@ -565,7 +620,8 @@ def summary_markdown(report: BenchReport) -> str:
     if env:
         parts.append(f"Machine: {env.cpu_count} CPUs, {env.platform}, Python {env.python}; {', '.join(f'{k} {v}' for k, v in env.versions.items())}.  ")
     parts.append(f"Whole run: {report.elapsed_s / 60:.1f} min; start-up per scenario: "
-                 + ", ".join(f"{s.scenario.name} {s.startup_s:.0f} s" for s in [*report.scenarios, *report.faults]) + ".\n")
+                 + ", ".join(f"{s.label} {s.startup_s:.0f} s" for s in report.scenarios)
+                 + "".join(f", {f.scenario.name} {f.startup_s:.0f} s" for f in report.faults) + ".\n")
     if runs:
         parts += ["## Serving over HTTP (latencies p50 / p99)\n", markdown_table([_headline(r) for r in runs], PER_REQUEST_METRICS)]
     sections = (
@@ -575,6 +631,7 @@ def summary_markdown(report: BenchReport) -> str:
         ("## Tandem colocated vs a plain vLLM server\n", vllm_comparison(report.scenarios)),
         (_fault_heading(report), fault_table(report.faults)),
         (f"## Routing policies (rate {o.rates[0]:g} req/s)\n", routing_table(report.scenarios)),
+        (f"## {o.rounds} rounds, each scenario against the first of its round\n", rounds_table(report.scenarios)),
     )
     parts += [part for heading, table in sections if table for part in (heading, table)]
     return "\n".join(parts)
@@ -589,14 +646,14 @@ def _fault_heading(report: BenchReport) -> str:
 def write_bench_report(report: BenchReport, out: Path) -> Path:
     """Write every file; returns the path of summary.md."""
     out.mkdir(parents=True, exist_ok=True)
-    sweeps = {s.scenario.name: s.runs for s in report.scenarios}
+    sweeps = {s.label: s.runs for s in report.scenarios}
     for s in report.scenarios:
         for k, run in enumerate(s.runs):
-            save_json(run, out / f"{_slug(s.scenario.name)}-{k:02d}-rate-{run.config.rate:g}.json")
+            save_json(run, out / f"{_slug(s.label)}-{k:02d}-rate-{run.config.rate:g}.json")
         for k, run in enumerate(s.direct):
-            save_json(run, out / f"{_slug(s.scenario.name)}-direct-{k:02d}-rate-{run.config.rate:g}.json")
+            save_json(run, out / f"{_slug(s.label)}-direct-{k:02d}-rate-{run.config.rate:g}.json")
         for k, matched in enumerate(s.cpu_matched):
-            save_json(matched.run, out / f"{_slug(s.scenario.name)}-cpu-matched-{k:02d}-rate-{matched.run.config.rate:g}.json")
+            save_json(matched.run, out / f"{_slug(s.label)}-cpu-matched-{k:02d}-rate-{matched.run.config.rate:g}.json")
     if sweeps:
         (out / "results.md").write_text(markdown_table([_headline(r) for rs in sweeps.values() for r in rs], PER_REQUEST_METRICS))
         plot_latency_vs_load(sweeps, out / "latency.png")

@@ -118,6 +118,13 @@ def parse_scenarios(text: str) -> list[Scenario]:
     return scenarios
 
 
+def round_order(scenarios: list[Scenario], rounds: int) -> list[tuple[int, Scenario]]:
+    """(round, scenario) in the order they run: every scenario once per round, every other
+    round in reverse, so that a host slowing down or speeding up over the run weighs on the
+    first and the last scenario alike."""
+    return [(r, s) for r in range(rounds) for s in (scenarios if r % 2 == 0 else scenarios[::-1])]
+
+
 def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_channel_base_port: int) -> TandemConfig:
     """The base config with the scenario's pools, served on `port` under the app name "bench".
 

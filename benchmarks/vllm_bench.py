@@ -35,7 +35,7 @@ from benchmarks.loadgen import scrape_metrics
 from benchmarks.phases import ENGINE_TPOT_COUNTS, ENGINE_TPOT_SUMS, LOCAL_PREFILLS, metric_names
 from benchmarks.protocol import BenchOptions, ClientResult, ClientRun
 from benchmarks.report import TOKEN_SOURCES, write_vllm_client_report
-from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, shared_ray
+from benchmarks.scenarios import Scenario, deployed, free_ports, parse_scenarios, round_order, shared_ray
 from orchestrator.cluster import session_priority
 from orchestrator.config import TandemConfig, load_config
 from orchestrator.models import resolve_local
@@ -64,13 +64,6 @@ def workload_runs(opts: BenchOptions) -> list[ClientRun]:
         "--request-rate", f"{rate:g}", "--num-warmups", str(opts.warmup), "--ignore-eos", "--seed", str(opts.seed + i), "--save-detailed",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
     ]) for i, rate in enumerate(opts.rates)]
-
-
-def round_order(scenarios: list[Scenario], rounds: int) -> list[tuple[int, Scenario]]:
-    """(round, scenario) in the order they run: every scenario once per round, every other
-    round in reverse, so that a host slowing down or speeding up over the run weighs on the
-    first and the last scenario alike."""
-    return [(r, s) for r in range(rounds) for s in (scenarios if r % 2 == 0 else scenarios[::-1])]
 
 
 def run(base: TandemConfig, scenarios: list[Scenario], runs: list[ClientRun], out: Path,

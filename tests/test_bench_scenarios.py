@@ -51,7 +51,7 @@ from benchmarks.phases import (
     tpot_phases,
     ttft_phases,
 )
-from benchmarks.scenarios import PORT_BAND, Scenario, free_ports, parse_scenario, parse_scenarios, scenario_config, vllm_server_command
+from benchmarks.scenarios import PORT_BAND, Scenario, free_ports, parse_scenario, parse_scenarios, round_order, scenario_config, vllm_server_command
 from benchmarks.server_cpu import CpuMeter, CpuReading, ServerCpu, cpu_between
 from benchmarks.stats import RequestResult, summarize
 from orchestrator.config import PoolConfig, parse_config
@@ -160,7 +160,6 @@ def test_cli_options_become_bench_options() -> None:
 
 def test_rounds_are_checked_and_run_every_scenario_once_per_round_every_other_round_reversed() -> None:
     from benchmarks.bench import checked_scenarios
-    from benchmarks.vllm_bench import round_order
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -171,8 +170,28 @@ def test_rounds_are_checked_and_run_every_scenario_once_per_round_every_other_ro
         (0, "colocated:1"), (0, "vllm-server"), (1, "vllm-server"), (1, "colocated:1"), (2, "colocated:1"), (2, "vllm-server")]
     with pytest.raises(ValueError, match="at least 1, not 0"):
         checked_scenarios(msgspec.structs.replace(opts, rounds=0))
-    with pytest.raises(ValueError, match="--client vllm only"):
-        checked_scenarios(msgspec.structs.replace(opts, client="tandem"))
+    assert checked_scenarios(msgspec.structs.replace(opts, client="tandem")) == scenarios  # Tandem's load generator too
+    with pytest.raises(ValueError, match="fault:decode: fault scenarios run once"):
+        checked_scenarios(msgspec.structs.replace(opts, client="tandem", scenarios="1p1d,fault:decode"))
+    with pytest.raises(ValueError, match="--target-url server is measured once"):
+        checked_scenarios(msgspec.structs.replace(opts, client="tandem", target_url="http://127.0.0.1:8000"))
+
+
+def test_the_rounds_table_sets_each_scenario_against_the_first_of_its_round_and_pools_the_rounds() -> None:
+    from benchmarks.report import rounds_table
+
+    always, conditional = parse_scenario("3p1d@kv_aware"), parse_scenario("3p1d@kv_aware+conditional")
+    # Round 1: 100 ms against 80 (0.80x); round 2, the host slower: 200 against 100 (0.50x).
+    reports = [ScenarioReport(always, 1.0, [_run("a", 1.0, 0.100, 0.002)], round=0),
+               ScenarioReport(conditional, 1.0, [_run("c", 1.0, 0.080, 0.002)], round=0),
+               ScenarioReport(conditional, 1.0, [_run("c", 1.0, 0.100, 0.002)], round=1),
+               ScenarioReport(always, 1.0, [_run("a", 1.0, 0.200, 0.002)], round=1)]
+    table = rounds_table(reports)
+    assert "| 3p1d@kv_aware | 1 | 150.0 / 150.0 / 200.0 | 2.0 | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x / 1.00x |" in table
+    # Pooled: 90 ms p50 (three requests at 80, three at 100) against 150; p99 100 against 200.
+    assert "| 3p1d@kv_aware+conditional | 1 | 90.0 / 90.0 / 100.0 | 2.0 | 0.80x / 0.80x | 0.50x / 0.50x | 0.65x / 0.65x | 0.60x / 0.60x / 0.50x |" in table
+    assert "Ratios are to 3p1d@kv_aware (the first scenario listed) in the same round" in table
+    assert rounds_table([msgspec.structs.replace(r, round=None) for r in reports[:2]]) == ""  # one round: nothing to set apart
 
 
 def test_server_replies_are_for_conversations_over_http_without_fault_scenarios() -> None:
@@ -622,20 +641,29 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     from benchmarks.bench import MIN_BALLAST_CORES, run_bench
     from benchmarks.report import write_bench_report
 
-    opts = BenchOptions(scenarios="colocated:1,vllm-server", rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8, duration_s=30.0, request_timeout_s=60.0)
+    # Two rounds: colocated:1, vllm-server, then the other way round, each a fresh deployment.
+    opts = BenchOptions(scenarios="colocated:1,vllm-server", rounds=2, rates=(4.0,), num_requests=4, warmup=1, input_len=64, output_len=8,
+                        duration_s=30.0, request_timeout_s=60.0)
     report = run_bench(opts, tmp_path)
     summary = write_bench_report(report, tmp_path).read_text()
-    scenario, plain = report.scenarios
+    assert [s.label for s in report.scenarios] == ["colocated:1, round 1", "vllm-server, round 1", "vllm-server, round 2", "colocated:1, round 2"]
+    scenario, plain, plain_again, again = report.scenarios
     (run,) = scenario.runs
     assert plain.scenario.name == "vllm-server" and plain.runs[0].summary.num_completed == 4
-    assert "## Tandem colocated vs a plain vLLM server" in summary and "| 4 | TPOT |" in summary
+    assert "## Tandem colocated vs a plain vLLM server" in summary and "| 4, round 1 | TPOT |" in summary and "| 4, round 2 | TPOT |" in summary
+    # Every round sends the same requests to its fresh deployment; the rounds' table pools them.
+    assert again.runs[0].config.seed == run.config.seed and again.runs[0].summary.num_completed == 4
+    assert plain_again.cpu_matched == []  # colocated:1 had not run yet in its round: nothing to match
+    assert "## 2 rounds, each scenario against the first of its round" in summary
+    assert "| colocated:1 | 4 | " in summary and "1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x / 1.00x |" in summary
+    assert (tmp_path / "colocated-1-round-2-00-rate-4.json").is_file()
     (direct,) = scenario.direct
     assert run.summary.num_failed == 0 and direct.summary.num_failed == 0 and direct.config.rate == run.config.rate
-    http = scenario.phases_ms["colocated:1 HTTP"]
+    http = scenario.phases_ms["colocated:1, round 1 HTTP"]
     assert sum(http.values()) == pytest.approx(run.summary.ttft_ms.mean, rel=1e-6)
     assert http["engine queue"] >= 0 and http["engine compute"] > 0 and http["relay"] > 0  # relay: the leg around the engine core
     assert [o.rate for o in scenario.overhead] == [4.0] and report.micro and report.geometry is not None
-    assert "| 4 | TTFT |" in summary and "(no direct run at this rate)" not in summary
+    assert "| 4, round 1 | TTFT |" in summary and "(no direct run at this rate)" not in summary
     # Each server's processes were read over its runs; the vLLM server ran once more beside a
     # ballast of what Tandem's stack took beyond its own, on the direct run's prompts.
     assert run.server_cpu and direct.server_cpu and plain.runs[0].server_cpu
@@ -643,7 +671,7 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
     # A run this short on a fast host can leave Tandem's stack no measurable extra CPU; then
     # there is nothing to burn and the report must say so instead of a matched column.
     extra = direct.server_cpu.other - plain.runs[0].server_cpu.other
-    assert "| 4 | CPU of the server's processes, cores: vLLM engine / rest |" in summary
+    assert "| 4, round 1 | CPU of the server's processes, cores: vLLM engine / rest |" in summary
     if extra < MIN_BALLAST_CORES:
         assert plain.cpu_matched == [] and "no CPU-matched run |" in summary
     else:
@@ -651,7 +679,7 @@ def test_a_short_bench_of_tandem_and_a_plain_vllm_server_writes_every_file_and_c
         assert matched.ballast_cores == pytest.approx(extra)
         assert matched.run.summary.num_completed == 4 and matched.run.config.rate == 4.0 and matched.run.server_cpu
         assert matched.run.config.seed == direct.config.seed  # the same arrival schedule
-        assert (tmp_path / "vllm-server-cpu-matched-00-rate-4.json").is_file()
+        assert (tmp_path / "vllm-server-round-1-cpu-matched-00-rate-4.json").is_file()
     for name in ("summary.md", "results.md", "bench.json", "latency.png", "goodput.png", "phases.png"):
         assert (tmp_path / name).is_file(), name
 
