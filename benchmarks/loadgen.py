@@ -298,7 +298,8 @@ class _Sender:
 
     A chat's turn (`BenchRequest.chat`) is sent as token ids: its previous turn's prompt and
     the answer the server streamed for it, then the turn's own text. It waits for that turn
-    to end first; its times start when it is sent."""
+    to end first, without its slot under the concurrency cap (waiting is not being in
+    flight); its times start when it is sent."""
 
     def __init__(
         self,
@@ -361,7 +362,13 @@ class _Sender:
         assert self._tokenizer is not None, "run_load checks that chats come with a tokenizer"
         earlier = self._chats.get(request.chat)
         turn = self._chats[request.chat] = asyncio.get_running_loop().create_future()
-        history = await earlier if earlier is not None else []
+        if earlier is not None and not earlier.done():
+            self.release()
+            try:
+                await earlier
+            finally:
+                await self.acquire()
+        history = earlier.result() if earlier is not None else []
         own = self._tokenizer.encode(request.prompt, add_special_tokens=not history)
         return {**body, "prompt": history + own, "return_token_ids": True}, [], turn
 

@@ -260,6 +260,17 @@ def test_a_chats_turn_resends_the_servers_answer_as_token_ids_once_the_turn_befo
     assert result.requests[2].prompt_tokens == 7
 
 
+def test_a_turn_waiting_for_the_one_before_leaves_its_slot_under_the_concurrency_cap_to_others(server) -> None:
+    fake, url = server
+    # Two slots, all due at once: chat 0's second turn waits for its first; chat 1's first
+    # turn takes the slot it leaves instead of waiting for chat 0's first turn to end.
+    turns = [BenchRequest("ab", 3, chat=0), BenchRequest("c", 2, chat=0), BenchRequest("x", 2, chat=1)]
+    result = _run(url, turns, tokenizer=CharTokenizer(), concurrency=2)
+    assert result.summary.num_completed == 3
+    assert [b["prompt"][-1] for b in fake.bodies] == [ord("b"), ord("x"), ord("c")]
+    assert fake.spans[1][0] < fake.spans[0][1]  # chat 1 was on the server while chat 0's first turn ran
+
+
 def test_chats_of_server_answers_need_a_tokenizer(server) -> None:
     _, url = server
     with pytest.raises(ValueError, match="tokenizer"):
