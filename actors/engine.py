@@ -108,6 +108,21 @@ CACHE_UPDATE_COALESCE_S = 0.01
 CPU_ENGINE_STOP_GRACE_S = 2.0
 
 
+def emulates_half_precision(dtype: Any) -> bool:
+    """Whether this host runs a model's `dtype` (bfloat16 or float16) matmuls without native
+    instructions: an x86 CPU without AVX-512, as torch sees it. vLLM's CPU build serves half
+    precision on every x86 host, but on an AMD EPYC with AVX2 only (2026-12-02) torch's
+    128x512x2048 matmul ran at 0.5 GFLOP/s in bfloat16 and 0.4 in float16 against 67 in
+    float32, and builtin:medium's prefill took 80x what it took on an AVX-512 host."""
+    import platform
+
+    import torch
+
+    if dtype not in (torch.bfloat16, torch.float16) or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) -> None:
     """Fold one NixlKVConnectorStats payload (lists per interval) into cumulative stats;
     count and log every transfer slower than `slow_s` (TandemNixlConnector adds the
@@ -345,6 +360,8 @@ class EngineActor:
             hash_seed=hash_seed,
             num_blocks=vcfg.cache_config.num_gpu_blocks or 0,
             stream_address=self.stream.address,
+            dtype=str(vcfg.model_config.dtype).removeprefix("torch."),
+            emulated_dtype=vcfg.device_config.device_type == "cpu" and emulates_half_precision(vcfg.model_config.dtype),
         )
         # As vLLM's own server does after start-up: the objects made so far (torch, vLLM, Ray)
         # stay, and a full collection over them took ~0.3 s here, a stall of every stream.

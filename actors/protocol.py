@@ -110,6 +110,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     num_blocks: int = 0
     # Where routers send requests and read outputs (actors.stream): tcp://<node ip>:<port>.
     stream_address: str = ""
+    # The dtype vLLM serves the model in ("bfloat16", ...), and whether this CPU engine's
+    # host computes it without native instructions (actors.engine.emulates_half_precision).
+    dtype: str = ""
+    emulated_dtype: bool = False
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

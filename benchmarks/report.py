@@ -550,7 +550,7 @@ def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
     reference = names[0]
     num_rates = min(len(s.runs) for s in scenarios)
     lines = ["| scenario | rate (req/s) | pooled TTFT p50 / mean / p99 (ms) | pooled TPOT p50 (ms) | "
-             + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds) + f" | median of rounds: p50 / mean | pooled: p50 / mean / p99 |",
+             + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds) + " | median of rounds: p50 / mean | pooled: p50 / mean / p99 |",
              "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rounds) + " | ---: | ---: |"]
     for k in range(num_rates):
         ref_pooled = pooled_summary([grid[reference, r].runs[k] for r in rounds if (reference, r) in grid])

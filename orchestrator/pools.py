@@ -52,7 +52,7 @@ from orchestrator.protocol import (
     pool_role,
 )
 from orchestrator.router import RequestTrace, Router
-from orchestrator.specs import engine_env, engine_spec, niceness_warning
+from orchestrator.specs import dtype_warning, engine_env, engine_spec, niceness_warning
 from orchestrator.tier import NODE_CHECK_S, CpuTier
 
 logger = logging.getLogger("tandem.pools")
@@ -232,8 +232,9 @@ class PoolManager:
         self._starting = False
         infos = [r.info for r in self.replicas.values() if r.info is not None]
         logger.info("%d engines up in %.1f s", len(infos), time.perf_counter() - t0)
-        if warning := niceness_warning(infos):
-            logger.warning(warning)
+        for warning in (niceness_warning(infos), dtype_warning(infos)):
+            if warning:
+                logger.warning(warning)
         if self._deciders:
             self._loops.append(asyncio.ensure_future(self._autoscale()))
         if self.tier is not None:

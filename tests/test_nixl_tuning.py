@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import signal
 import time
 from pathlib import Path
@@ -20,8 +21,9 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 
-from actors.engine import _observe_connector_stats
+from actors.engine import _observe_connector_stats, emulates_half_precision
 from actors.protocol import EngineInfo, EngineStats
 from connectors.config import PREFILLED_TOKENS
 from connectors import nixl
@@ -38,7 +40,7 @@ from orchestrator.cluster import WORKER_NICENESS
 from connectors.config import GPU_NUM_THREADS, NixlConfig
 from orchestrator.config import ConfigError, parse_config
 from benchmarks.scenarios import vllm_server_env
-from orchestrator.specs import engine_env, kv_transfer_for, niceness_warning
+from orchestrator.specs import dtype_warning, engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics
 from actors.affinity import node_cores
 from orchestrator.placement import EngineSlot, binding_cores, engine_cores, omp_binding
@@ -472,6 +474,24 @@ def _info(engine_id: str, niceness: int) -> EngineInfo:
     return EngineInfo(engine_id, "decode", "i0", "node", "10.0.0.1", 1, [], 1024, 128, None, None, niceness)
 
 
+def test_engines_serving_half_precision_on_cpus_without_avx512_get_a_warning_with_the_fix(monkeypatch) -> None:
+    fast = msgspec.structs.replace(_info("prefill-0", 0), dtype="bfloat16")
+    slow = msgspec.structs.replace(_info("decode-0", 0), dtype="bfloat16", emulated_dtype=True)
+    assert dtype_warning([fast]) is None
+    warning = dtype_warning([fast, slow])
+    assert warning is not None and "['decode-0'] serve bfloat16" in warning and "engine_args: {dtype: float32}" in warning
+    # What decides it: torch's view of the x86 CPU (as torch.backends.cpu reports it).
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert emulates_half_precision(torch.bfloat16) and emulates_half_precision(torch.float16)
+    assert not emulates_half_precision(torch.float32)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512_BF16")
+    assert not emulates_half_precision(torch.bfloat16)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not emulates_half_precision(torch.bfloat16)  # only x86 is judged
+
+
 def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:
     assert niceness_warning([_info("prefill-0", 0), _info("decode-0", 0)]) is None
     warning = niceness_warning([_info("prefill-0", 15), _info("decode-0", 0)])
@@ -518,6 +538,8 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
         decode = next(e for e in up.deployment.engines if e.role == "decode")
         moved = ray.get(decode.handle.get_stats.remote()).transfers  # before any request
         infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in up.deployment.engines}
+        # The tiny model is served in float16; whether this host computes it natively is its CPU's to say.
+        assert {(i.dtype, i.emulated_dtype) for i in infos.values()} == {("float16", emulates_half_precision(torch.float16))}
         omp = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
         confined = ray_threads()
         before = {eid: engine_threads(info.pid) for eid, info in infos.items()}
