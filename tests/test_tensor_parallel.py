@@ -43,8 +43,14 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
         # One OpenMP binding per rank, "|"-separated (placement.omp_binding).
         assert info.cpu_binding is not None and len(info.cpu_binding.split("|")) == 2
         # The ranks' queue and buffers in /dev/shm, which vLLM unlinks only on a clean exit.
+        # The buffers come from vLLM's CPU SHM communicator, which its kernels for AVX2-only
+        # hosts lack (device_communicators/cpu_communicator.py: ranks then use gloo).
+        import torch
+        import vllm._custom_ops  # noqa: F401  (loads torch.ops._C, the kernels the engine runs)
+
         made = _vllm_shared_memory() - before
-        assert any(n.startswith("psm_") for n in made) and any(n.startswith("vllm_dist_") for n in made), made
+        assert any(n.startswith("psm_") for n in made), made
+        assert any(n.startswith("vllm_dist_") for n in made) == hasattr(torch.ops._C, "init_shm_manager"), made
     finally:
         deployment.stop()
     left = _vllm_shared_memory() - before
