@@ -45,8 +45,11 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
         # The ranks' queue and buffers in /dev/shm, which vLLM unlinks only on a clean exit.
         # The buffers come from vLLM's CPU SHM communicator, which its kernels for AVX2-only
         # hosts lack (device_communicators/cpu_communicator.py: ranks then use gloo).
+        import importlib
+
         import torch
-        import vllm._custom_ops  # noqa: F401  (loads torch.ops._C, the kernels the engine runs)
+
+        importlib.import_module("vllm._custom_ops")  # loads torch.ops._C, the kernels the engine runs
 
         made = _vllm_shared_memory() - before
         assert any(n.startswith("psm_") for n in made), made
