@@ -45,7 +45,7 @@ from benchmarks.phases import (
     tpot_phases,
     ttft_phases,
 )
-from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport
+from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport, round_label
 from benchmarks.scenarios import Scenario
 from benchmarks.server_cpu import ServerCpu
 from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, RunSummary, goodput_from_sweep, summarize
@@ -435,7 +435,7 @@ def _vllm_rows(tandem: ScenarioReport, plain: ScenarioReport) -> list[str]:
     lines = []
     for t, v in zip(tandem.runs, plain.runs):
         rate = t.config.rate
-        at = f"{rate:g}" if tandem.round is None else f"{rate:g}, round {tandem.round + 1}"
+        at = round_label(f"{rate:g}", tandem.round)
         o = tandem.overhead_at(rate)
         d = next((r for r in tandem.direct if r.config.rate == rate), None)
         m = next((c for c in plain.cpu_matched if c.run.config.rate == rate), None)
