@@ -185,8 +185,8 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
     # Disaggregated deployments: whether a request is prefilled on the prefill pool
     # ("always"), on its decode engine ("never"), or per request ("conditional": on the
-    # decode engine when little of the prompt is left to compute there, or when the prefill
-    # pool is busy).
+    # decode engine when little of the prompt is left to compute there, against what the
+    # best prefill replica has queued before it).
     disaggregation: Literal["always", "never", "conditional"] = "always"
     # A remotely prefilled request's first token: "prefill" streams the token the prefill
     # engine sampled to the client at once, and the decode engine goes on from the prompt plus
@@ -199,10 +199,9 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # conditional: prefill on the decode engine when the prompt tokens not already in its
     # prefix cache or the CPU tier (plus those of local prefills queued there), times the
     # requests that engine would hold up (those it runs, plus this one), are at most this
-    # many...
+    # many plus what the best prefill replica would compute first beyond this request's
+    # part there (its queue, and what it lacks of the prompt that the decode engine holds).
     local_prefill_max_tokens: Annotated[int, Meta(ge=0)] = 256
-    # ...or when every prefill replica has at least this many requests in flight.
-    prefill_busy_requests: PositiveInt = 4
     # A prefill that has not answered after this long is abandoned and retried elsewhere.
     prefill_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     # Other prefill replicas tried after a failed or timed-out prefill; when none is left

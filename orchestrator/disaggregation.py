@@ -13,8 +13,12 @@ on the one engine. The budget grows by what the best prefill replica would have 
 this request beyond the decode engine's part (its own queue, and the prompt tokens it lacks
 that the decode engine holds): a chat whose history only the decode engine still caches
 (it prefilled the earlier turns) is not sent to compute that history again, while a prompt
-both hold alike is judged by the budget alone. When the prefill pool is saturated, waiting
-for it costs more than the stall. When the prefill engine streams the first token
+both hold alike is judged by the budget alone, and a saturated prefill pool by the same
+sum: its queue is in the tokens ahead. (A rule that went local whenever every prefill
+replica had a few requests in flight, whatever the decode engine ran, was dropped: its count
+held requests only waiting for their KV pull, and past saturation it loaded a decode engine
+slower still, whose stalled decodes and timed-out prefills put conditional further behind
+`always` than the pool alone; docs/bench-results.md, run 68.) When the prefill engine streams the first token
 (`routing.first_token: prefill`), a remote prefill's time to first token is its own queue and
 uncached part, with no KV move or decode step in it: then a request goes local only if the
 decode engine has no more to compute before its first token than the best prefill replica
@@ -43,16 +47,15 @@ from orchestrator.config import RoutingConfig
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
 # on the decode engine, for the requests it would hold up; remote_costlier: more, but the
-# prefill pool would have more still ahead of it; prefill_busy: every prefill replica is
-# saturated; long_uncached: worth a remote prefill; prefill_sooner: the prefill replica that
+# prefill pool would have more still ahead of it (its queue included); long_uncached: worth a remote prefill; prefill_sooner: the prefill replica that
 # streams the first token would reach it with less to compute than the decode engine;
 # prompt_logprobs: the request needs its prompt computed where its output streams;
 # stranded_history: local but for the history it would leave on the decode engine alone.
-Reason = Literal["always", "never", "short_uncached", "remote_costlier", "prefill_busy", "long_uncached",
-                 "prefill_sooner", "prompt_logprobs", "stranded_history"]
+Reason = Literal["always", "never", "short_uncached", "remote_costlier", "long_uncached", "prefill_sooner",
+                 "prompt_logprobs", "stranded_history"]
 DECISIONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "short_uncached"), ("local", "remote_costlier"),
-    ("local", "prefill_busy"), ("remote", "long_uncached"), ("remote", "prefill_sooner"), ("local", "prompt_logprobs"),
+    ("remote", "long_uncached"), ("remote", "prefill_sooner"), ("local", "prompt_logprobs"),
     ("remote", "stranded_history"),
 )
 
@@ -62,7 +65,6 @@ def decide(
     prompt_tokens: int,
     decode_cached_tokens: float,
     decode_outstanding: int,
-    prefill_outstanding: list[int],
     *,
     decode_queued_tokens: float = 0.0,
     prefill_ahead_tokens: float | None = None,
@@ -72,8 +74,7 @@ def decide(
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
     cache, or the CPU tier); `decode_outstanding`: requests in flight there;
-    `prefill_outstanding`: requests in flight per healthy prefill replica (empty: none is
-    healthy, which the router handles as a fallback); `decode_queued_tokens`: prompt tokens
+    `decode_queued_tokens`: prompt tokens
     of local prefills sent to the decode engine that it has not computed yet;
     `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
     request's first token (its queue and this prompt's uncached part; None: unknown);
@@ -87,7 +88,7 @@ def decide(
     if cfg.disaggregation == "never":
         return "local", "never"
     to_compute = prompt_tokens - decode_cached_tokens + decode_queued_tokens
-    args = (cfg, decode_outstanding, prefill_outstanding, prefill_ahead_tokens, first_from_prefill)
+    args = (cfg, decode_outstanding, prefill_ahead_tokens, first_from_prefill)
     if reason := _local(to_compute + at_risk_tokens, *args):
         return "local", reason
     if at_risk_tokens and _local(to_compute, *args):
@@ -97,8 +98,8 @@ def decide(
     return "remote", "long_uncached"
 
 
-def _local(to_compute: float, cfg: RoutingConfig, decode_outstanding: int, prefill_outstanding: list[int],
-           prefill_ahead_tokens: float | None, first_from_prefill: bool) -> Reason | None:
+def _local(to_compute: float, cfg: RoutingConfig, decode_outstanding: int, prefill_ahead_tokens: float | None,
+           first_from_prefill: bool) -> Reason | None:
     """Why the decode engine should prefill a request costing it `to_compute` tokens, or None."""
     if first_from_prefill and prefill_ahead_tokens is not None and to_compute > prefill_ahead_tokens:
         return None
@@ -107,6 +108,4 @@ def _local(to_compute: float, cfg: RoutingConfig, decode_outstanding: int, prefi
         return "short_uncached"
     if prefill_ahead_tokens is not None and stall <= cfg.local_prefill_max_tokens + prefill_ahead_tokens - to_compute:
         return "remote_costlier"
-    if prefill_outstanding and min(prefill_outstanding) >= cfg.prefill_busy_requests:
-        return "prefill_busy"
     return None

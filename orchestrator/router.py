@@ -489,9 +489,8 @@ class Router:
             facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
             ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
-        busy = [self._outstanding(e, picker) for e in picker.healthy()]
         held_up = self._outstanding(decode, self._output_pool())
-        decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up, busy,
+        decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up,
                                   decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
                                   prefill_ahead_tokens=ahead,
                                   first_from_prefill=forward,

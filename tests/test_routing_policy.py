@@ -374,57 +374,61 @@ def test_tier_tokens_count_beyond_the_engine_and_halve_other_nodes() -> None:
 
 
 def test_decider_modes_and_thresholds() -> None:
-    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100, prefill_busy_requests=2)
-    assert decide(RoutingConfig(), 5000, 0, 0, [0]) == ("remote", "always")
-    assert decide(RoutingConfig(disaggregation="never"), 5000, 0, 0, [0]) == ("local", "never")
-    assert decide(cond, 80, 0, 0, [0]) == ("local", "short_uncached")
-    assert decide(cond, 5000, 4950, 0, [0]) == ("local", "short_uncached")  # decode holds the prefix
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100)
+    assert decide(RoutingConfig(), 5000, 0, 0) == ("remote", "always")
+    assert decide(RoutingConfig(disaggregation="never"), 5000, 0, 0) == ("local", "never")
+    assert decide(cond, 80, 0, 0) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 0) == ("local", "short_uncached")  # decode holds the prefix
     # The same 50 tokens would hold up 3 running requests on the decode engine: remote.
-    assert decide(cond, 5000, 4950, 3, [0]) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 4950, 3) == ("remote", "long_uncached")
     # 50 tokens of local prefills already queued there come first: 100 x 2 held up.
-    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=0) == ("local", "short_uncached")
-    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 4950, 1, decode_queued_tokens=0) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 1, decode_queued_tokens=50) == ("remote", "long_uncached")
     # The same 100 tokens x 2 held up, where the best prefill replica lacks 400 of the prompt
     # the decode engine holds (it prefilled the earlier turns): local.
-    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50, prefill_ahead_tokens=500) == ("local", "remote_costlier")
+    assert decide(cond, 5000, 4950, 1, decode_queued_tokens=50, prefill_ahead_tokens=500) == ("local", "remote_costlier")
     # A prefill replica with the same cache as the decode engine adds nothing to the budget.
-    assert decide(cond, 5000, 4950, 1, [0], decode_queued_tokens=50, prefill_ahead_tokens=50) == ("remote", "long_uncached")
-    assert decide(cond, 5000, 0, 0, [2, 3]) == ("local", "prefill_busy")
-    assert decide(cond, 5000, 0, 0, [2, 0]) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 4950, 1, decode_queued_tokens=50, prefill_ahead_tokens=50) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 0, 0) == ("remote", "long_uncached")
+    # A saturated prefill pool is weighed in tokens: 4 prompts of 5000 queued on the best
+    # replica outweigh computing this one on an idle decode engine...
+    assert decide(cond, 5000, 0, 0, prefill_ahead_tokens=25000) == ("local", "remote_costlier")
+    # ...but not on one running 8 decodes, each stalled for the whole prompt.
+    assert decide(cond, 5000, 0, 8, prefill_ahead_tokens=25000) == ("remote", "long_uncached")
 
 
 def test_with_the_first_token_from_prefill_local_prefills_must_not_start_later_than_remote_ones() -> None:
     """routing.first_token: prefill leaves the KV move out of a remote prefill's time to first
     token, so a local prefill pays only when the decode engine would compute no more before
     this request's first token than the best prefill replica."""
-    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=1000, prefill_busy_requests=2)
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=1000)
     # 80 tokens on the decode engine (40 queued there) against 60 on a prefill replica: remote.
-    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, prefill_ahead_tokens=60, first_from_prefill=True) == ("remote", "prefill_sooner")
+    assert decide(cond, 100, 60, 0, decode_queued_tokens=40, prefill_ahead_tokens=60, first_from_prefill=True) == ("remote", "prefill_sooner")
     # The first token from the decode engine either way: the budget allows the local one.
-    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, prefill_ahead_tokens=60) == ("local", "short_uncached")
+    assert decide(cond, 100, 60, 0, decode_queued_tokens=40, prefill_ahead_tokens=60) == ("local", "short_uncached")
     # As much on both sides: local, sparing the KV move; unknown: the budget alone.
-    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, prefill_ahead_tokens=80, first_from_prefill=True) == ("local", "short_uncached")
-    assert decide(cond, 100, 60, 0, [0], decode_queued_tokens=40, first_from_prefill=True) == ("local", "short_uncached")
+    assert decide(cond, 100, 60, 0, decode_queued_tokens=40, prefill_ahead_tokens=80, first_from_prefill=True) == ("local", "short_uncached")
+    assert decide(cond, 100, 60, 0, decode_queued_tokens=40, first_from_prefill=True) == ("local", "short_uncached")
     # A saturated prefill pool that would still answer sooner gets the request.
-    assert decide(cond, 5000, 0, 0, [2, 3], prefill_ahead_tokens=4000, first_from_prefill=True) == ("remote", "prefill_sooner")
+    assert decide(cond, 5000, 0, 0, prefill_ahead_tokens=4000, first_from_prefill=True) == ("remote", "prefill_sooner")
 
 
 def test_a_history_a_local_prefill_would_likely_lose_counts_against_it() -> None:
     """`at_risk_tokens`: what the decode engine would hold alone and likely lose, computed
     again by the conversation's next turn."""
-    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100, prefill_busy_requests=2)
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=100)
     # 50 tokens left on the decode engine against a prefill replica that lacks 500: local...
-    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500) == ("local", "short_uncached")
-    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, first_from_prefill=True) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 0, prefill_ahead_tokens=500) == ("local", "short_uncached")
+    assert decide(cond, 5000, 4950, 0, prefill_ahead_tokens=500, first_from_prefill=True) == ("local", "short_uncached")
     # ...unless those 500 stay on the decode engine alone, likely lost before the next turn.
-    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, at_risk_tokens=500) == ("remote", "stranded_history")
-    assert (decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, first_from_prefill=True, at_risk_tokens=500)
+    assert decide(cond, 5000, 4950, 0, prefill_ahead_tokens=500, at_risk_tokens=500) == ("remote", "stranded_history")
+    assert (decide(cond, 5000, 4950, 0, prefill_ahead_tokens=500, first_from_prefill=True, at_risk_tokens=500)
             == ("remote", "stranded_history"))
     # A risk small enough for the budget leaves the request local; one that would go remote
-    # anyway keeps its own reason; a saturated prefill pool still takes none.
-    assert decide(cond, 5000, 4950, 0, [0], prefill_ahead_tokens=500, at_risk_tokens=40) == ("local", "short_uncached")
-    assert decide(cond, 5000, 0, 0, [0], at_risk_tokens=500) == ("remote", "long_uncached")
-    assert decide(cond, 5000, 4950, 0, [2, 3], at_risk_tokens=500) == ("local", "prefill_busy")
+    # anyway keeps its own reason; so does a local prefill the pool's queue pays for.
+    assert decide(cond, 5000, 4950, 0, prefill_ahead_tokens=500, at_risk_tokens=40) == ("local", "short_uncached")
+    assert decide(cond, 5000, 0, 0, at_risk_tokens=500) == ("remote", "long_uncached")
+    assert decide(cond, 5000, 4950, 0, prefill_ahead_tokens=5000, at_risk_tokens=500) == ("local", "remote_costlier")
 
 
 def test_routing_config_names_the_bad_field() -> None:
