@@ -18,12 +18,12 @@ sum: its queue is in the tokens ahead. (A rule that went local whenever every pr
 replica had a few requests in flight, whatever the decode engine ran, was dropped: its count
 held requests only waiting for their KV pull, and past saturation it loaded a decode engine
 slower still, whose stalled decodes and timed-out prefills put conditional further behind
-`always` than the pool alone; docs/bench-results.md, run 68.) When the prefill engine streams the first token
-(`routing.first_token: prefill`), a remote prefill's time to first token is its own queue and
-uncached part, with no KV move or decode step in it: then a request goes local only if the
-decode engine has no more to compute before its first token than the best prefill replica
-(ties stay local, sparing the KV move), so local prefills do not stack on the decode engine
-while a prefill replica would answer sooner. A request that asks for its prompt's logprobs (echo with
+`always` than the pool alone; docs/bench-results.md, run 68.) When the prefill engine
+streams the first token (`routing.first_token: prefill`), a remote prefill's time to first
+token is its own queue and uncached part, with no KV move or decode step in it: then a
+request goes local only if the decode engine has no more to compute before its first token
+than the best prefill replica (ties stay local, sparing the KV move), so local prefills do
+not stack on the decode engine while a prefill replica would answer sooner. A request that asks for its prompt's logprobs (echo with
 logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
 in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
 
@@ -47,8 +47,9 @@ from orchestrator.config import RoutingConfig
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
 # on the decode engine, for the requests it would hold up; remote_costlier: more, but the
-# prefill pool would have more still ahead of it (its queue included); long_uncached: worth a remote prefill; prefill_sooner: the prefill replica that
-# streams the first token would reach it with less to compute than the decode engine;
+# prefill pool would have more still ahead of it (its queue included); long_uncached: worth
+# a remote prefill; prefill_sooner: the prefill replica that streams the first token would
+# reach it with less to compute than the decode engine;
 # prompt_logprobs: the request needs its prompt computed where its output streams;
 # stranded_history: local but for the history it would leave on the decode engine alone.
 Reason = Literal["always", "never", "short_uncached", "remote_costlier", "long_uncached", "prefill_sooner",
@@ -74,8 +75,8 @@ def decide(
 ) -> tuple[Decision, Reason]:
     """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
     cache, or the CPU tier); `decode_outstanding`: requests in flight there;
-    `decode_queued_tokens`: prompt tokens
-    of local prefills sent to the decode engine that it has not computed yet;
+    `decode_queued_tokens`: prompt tokens of local prefills sent to the decode engine that it
+    has not computed yet;
     `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
     request's first token (its queue and this prompt's uncached part; None: unknown);
     `first_from_prefill`: a remote prefill would stream this request's first token;

@@ -436,6 +436,9 @@ def test_routing_config_names_the_bad_field() -> None:
         parse_config({"routing": {"disaggregation": "sometimes"}})
     with pytest.raises(ConfigError, match="scorers"):
         parse_config({"routing": {"scorers": {"prefixx": 1.0}}})
+    # A field since removed (the pool's queue is weighed in tokens instead) is named, not ignored.
+    with pytest.raises(ConfigError, match="routing.prefill_busy_requests"):
+        parse_config({"routing": {"prefill_busy_requests": 4}})
 
 
 # ---- the router against fake engines that report a prefix cache --------------------------
