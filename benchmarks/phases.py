@@ -7,8 +7,10 @@ own `RequestTrace`s. Phases are means per request in seconds (a request that ski
 a local prefill's remote one, counts 0), in the order they happen, and add up to the mean
 TTFT the client saw:
 
-- HTTP + ingress: client TTFT minus the router's (HTTP, vLLM's rendering and tokenizing in the
-  ingress, routing);
+- HTTP: client TTFT minus the ingress's and the router's (the client, the network, uvicorn);
+- ingress: the request's way through vLLM's serving layer in the ingress (parsing, rendering,
+  tokenizing) to the router, as the ingress timed it (a server that does not time it, or
+  traces from before it did, show the two as one: HTTP + ingress);
 - per engine leg (the prefill engine's, then the decode engine's; one leg when colocated),
   from vLLM's engine-core timestamps (`tandem_engine_phase_seconds_total`):
   - engine queue: arrival at the engine core to first scheduled (on a decode engine this
@@ -34,7 +36,11 @@ import msgspec
 from benchmarks.loadgen import RunResult
 from orchestrator.router import RequestTrace
 
-ROUTER_PHASES = ("prefill", "route", "first_token", "second_token", "decode")
+# The router's phases to the first token (adding up to its TTFT), and those after it.
+TTFT_PHASES = ("prefill", "route", "first_token")
+LATER_PHASES = ("second_token", "decode")
+# Every phase the ingress times (RequestTrace.phases), "ingress" before the router's.
+ROUTER_PHASES = ("ingress", *TTFT_PHASES, *LATER_PHASES)
 
 KV_BYTES = "tandem_kv_transfer_bytes_total"
 KV_TRANSFERS = "tandem_kv_transfers_total"
@@ -143,13 +149,14 @@ def router_phases_from_traces(traces: Sequence[RequestTrace]) -> dict[str, float
 
 
 def _per_request(sums: Mapping[str, float | None], counts: Mapping[str, float | None]) -> dict[str, float]:
-    """The phases up to the first token are averaged over every request that got one, a phase
+    """The ingress's phase and the router's up to the first token are averaged over every
+    request that got one, a phase
     a request skipped counting 0 for it (a conditional router's local prefills have no
     prefill phase), so they add up to the mean TTFT; second_token and decode over the
     requests that had them."""
     n = counts.get("first_token")
-    out = {p: sums[p] / n for p in ROUTER_PHASES[:3] if sums.get(p) is not None and n}
-    after = {p: _mean(sums.get(p), counts.get(p)) for p in ROUTER_PHASES[3:]}
+    out = {p: sums[p] / n for p in ("ingress", *TTFT_PHASES) if sums.get(p) is not None and n}
+    after = {p: _mean(sums.get(p), counts.get(p)) for p in LATER_PHASES}
     return out | {p: mean for p, mean in after.items() if mean is not None}
 
 
@@ -215,7 +222,11 @@ def ttft_phases(
 
     out: dict[str, float] = {}
     if client_ttft_s is not None:
-        out["HTTP + ingress"] = client_ttft_s - sum(router.get(p, 0.0) for p in ROUTER_PHASES[:3])
+        outside = client_ttft_s - sum(router.get(p, 0.0) for p in TTFT_PHASES)
+        if "ingress" in router:
+            out |= {"HTTP": outside - router["ingress"], "ingress": router["ingress"]}
+        else:
+            out["HTTP + ingress"] = outside
     output_leg = router.get("route", 0.0) + router.get("first_token", 0.0)
     if not disaggregated:
         queue, compute = engine("both")

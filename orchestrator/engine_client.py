@@ -15,6 +15,7 @@ tokenizes exactly as the engines would and `max_model_len` is theirs.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextvars import ContextVar
 from typing import Any
@@ -48,6 +49,8 @@ class Arrival:
     def __init__(self) -> None:
         self.routed = False
         self.consumers: list[asyncio.Task[Any]] = []
+        # Before vLLM's serving layer parses, renders and tokenizes it (RequestTrace.t_received).
+        self.t = time.perf_counter()
 
 
 REACHED_ROUTER: ContextVar[Arrival | None] = ContextVar("tandem_reached_router", default=None)
@@ -106,7 +109,7 @@ class TandemEngineClient(EngineClient):
         if (arrival := REACHED_ROUTER.get()) is not None:
             arrival.routed = True
             arrival.consumers.append(consumer)
-        trace = RequestTrace()
+        trace = RequestTrace(t_received=None if arrival is None else arrival.t)
         kind = sampling_params.output_kind
         merged: RequestOutput | None = None
         num_out = 0

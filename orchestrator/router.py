@@ -238,6 +238,9 @@ class RequestTrace(msgspec.Struct):
     migrations: int = 0
     # The first token was the prefill engine's, streamed as it came (routing.first_token).
     first_from_prefill: bool = False
+    # When the HTTP request reached the ingress (openai_app.RequestGate), before vLLM's
+    # serving layer parsed, rendered and tokenized it; None off the HTTP path.
+    t_received: float | None = None
     t_arrival: float = 0.0
     t_prefill_done: float | None = None
     # When the request that streams the output left for its engine (decode or colocated).
@@ -250,18 +253,22 @@ class RequestTrace(msgspec.Struct):
     def phases(self) -> dict[str, float]:
         """Seconds spent in each phase this request reached, in order (for /metrics and benchmarks).
 
-        prefill: arrival to the prefill engine's answer (disaggregated only); route: to the
+        ingress (HTTP requests only): from reaching the ingress to reaching the router, vLLM's
+        serving layer parsing, rendering and tokenizing it; prefill: arrival at the router to the prefill engine's answer (disaggregated only); route: to the
         decode (or colocated) request leaving; first_token: to its first token (KV pull and
         first decode step, or queue and prefill when colocated; when the prefill's token is
         streamed, handing it on, and no route: the decode request leaves after that);
         second_token (only then): to the decode engine's first token (the decode request's
         way in, the KV pull, its first step, the way back); decode: to the last token.
-        Together, the phases before second_token are the router's time to first token.
+        Together, prefill, route and first_token are the router's time to first token.
         """
         route = None if self.first_from_prefill else self.t_decode_sent
         marks = (("prefill", self.t_prefill_done), ("route", route), ("first_token", self.t_first_token),
                  ("second_token", self.t_second_token), ("decode", self.t_done))
-        out, last = {}, self.t_arrival
+        out: dict[str, float] = {}
+        if self.t_received is not None:
+            out["ingress"] = self.t_arrival - self.t_received
+        last = self.t_arrival
         for name, t in marks:
             if t is not None:
                 out[name], last = t - last, t

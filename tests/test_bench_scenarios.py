@@ -293,6 +293,9 @@ def test_a_trace_splits_into_consecutive_phases() -> None:
     assert t.phases() == pytest.approx({"prefill": 0.5, "route": 0.002, "first_token": 0.198, "decode": 0.3})
     colocated = RequestTrace(t_arrival=1.0, t_decode_sent=1.001, t_first_token=1.1, t_done=1.5)
     assert list(colocated.phases()) == ["route", "first_token", "decode"]
+    # Over HTTP the ingress times the request's way through vLLM's serving layer first.
+    served = RequestTrace(t_received=0.992, t_arrival=1.0, t_decode_sent=1.001, t_first_token=1.1, t_done=1.5)
+    assert served.phases() == pytest.approx({"ingress": 0.008, "route": 0.001, "first_token": 0.099, "decode": 0.4})
 
 
 def _deltas(router: dict[str, float], count: int, **extra: float) -> dict[str, float]:
@@ -304,15 +307,18 @@ def test_disaggregated_phases_add_up_to_the_client_ttft() -> None:
     """Each engine leg splits into the engine core's queue and compute (vLLM's timestamps) and
     the relay around them; the decode engine's queue holds the KV transfer."""
     (pq, pt), (dq, dt) = engine_queue("prefill"), engine_queue("decode")
-    deltas = _deltas({"prefill": 0.300, "route": 0.001, "first_token": 0.099, "decode": 1.0}, 4,
+    deltas = _deltas({"ingress": 0.012, "prefill": 0.300, "route": 0.001, "first_token": 0.099, "decode": 1.0}, 4,
                      **{pq: 0.2, pt: 4, engine_compute("prefill"): 0.8, dq: 0.24, dt: 4, engine_compute("decode"): 0.08,
                         KV_SECONDS: 0.12, KV_TRANSFERS: 4, KV_BYTES: 4 * 131072})
     phases = ttft_phases(router_phases_from_metrics(deltas), deltas, disaggregated=True, client_ttft_s=0.450)
     assert phases == pytest.approx({
-        "HTTP + ingress": 0.050, "prefill: engine queue": 0.050, "prefill: engine compute": 0.200, "prefill: relay": 0.050,
+        "HTTP": 0.038, "ingress": 0.012, "prefill: engine queue": 0.050, "prefill: engine compute": 0.200, "prefill: relay": 0.050,
         "decode: waiting for the KV": 0.030, "KV transfer": 0.030, "decode: engine compute": 0.020, "decode: relay": 0.020,
     })
     assert sum(phases.values()) == pytest.approx(0.450)
+    # A server whose ingress does not time its own phase: the two stay one row.
+    untimed = {k: v for k, v in deltas.items() if '"ingress"' not in k}
+    assert ttft_phases(router_phases_from_metrics(untimed), untimed, True, 0.450)["HTTP + ingress"] == pytest.approx(0.050)
 
 
 def test_a_streamed_prefill_token_leaves_the_decode_leg_out_of_the_ttft() -> None:

@@ -195,6 +195,9 @@ def test_decode_engine_loads_the_prompt_over_nixl(pd: Running, client: openai.Op
     # token itself, as its first step.
     assert delta("tandem_request_phase_seconds_count", phase="first_token") == 1
     assert delta("tandem_request_phase_seconds_count", phase="route") == 0
+    # Before the router, the ingress timed vLLM's serving layer parsing and tokenizing it.
+    assert delta("tandem_request_phase_seconds_count", phase="ingress") == 1
+    assert delta("tandem_request_phase_seconds_sum", phase="ingress") > 0
     loaded = delta("tandem_prompt_tokens_total", pool="decode", source="external_kv_transfer")
     recomputed = delta("tandem_prompt_tokens_total", pool="decode", source="local_compute")
     assert loaded == n, "the decode engine must take every prompt token from the prefill engine's KV"
