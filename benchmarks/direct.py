@@ -58,7 +58,7 @@ class DirectSender:
         async def consume() -> None:
             nonlocal num_out
             async for out in self.router.generate(engine_request, trace):
-                if out.outputs[0].text:  # the HTTP client times chunks that carry text, so do the same
+                if out.outputs[0].token_ids:  # the HTTP client times every chunk with a token, so do the same
                     token_times.append(time.perf_counter() - sent)
                 num_out += len(out.outputs[0].token_ids)
 

@@ -246,7 +246,9 @@ async def _stream_one(
                     if chunk.error_text is not None:
                         error = f"stream error: {chunk.error_text}"
                         break
-                    if chunk.choices and chunk.choices[0].text:
+                    if chunk.choices:
+                        # A token, even with its text held back (a byte-level token that ends
+                        # inside a character shows no text): vLLM's client times it so too.
                         token_times.append(time.perf_counter() - sent)
                     if answer_ids is not None and chunk.choices and chunk.choices[0].token_ids:
                         answer_ids.extend(chunk.choices[0].token_ids)

@@ -3,7 +3,7 @@
 The fake server answers `/v1/completions` with SSE chunks after known delays, so measured
 TTFT and ITL can be checked against them (with bounds generous enough for a busy machine).
 Special prompts make it fail: "FAIL" answers HTTP 500, "BREAK" sends an error chunk mid-stream,
-"SLOW" stalls for seconds.
+"SLOW" stalls for seconds; "HELD" streams its first token with no text.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.conftest import free_port
 
 TTFT_S = 0.2
 ITL_S = 0.05
+HELD_S = 2.0  # "HELD": the wait for the second token, the first with text
 
 
 class FakeServer:
@@ -67,11 +68,12 @@ class FakeServer:
             return f"data: {json.dumps(payload)}\n\n"
 
         await asyncio.sleep(30 if body["prompt"] == "SLOW" else TTFT_S)
-        for i in range(body["max_tokens"]):
+        held = body["prompt"] == "HELD"  # the first token's text is held back, as a byte-level
+        for i in range(body["max_tokens"]):  # tokenizer does for a token ending inside a character
             if i:
-                await asyncio.sleep(ITL_S)
+                await asyncio.sleep(HELD_S if held and i == 1 else ITL_S)
             ids = {"token_ids": [900 + i]} if body.get("return_token_ids") else {}
-            yield event({"choices": [{"index": 0, "text": f" t{i}", **ids}]})
+            yield event({"choices": [{"index": 0, "text": "" if held and i == 0 else f" t{i}", **ids}]})
             if body["prompt"] == "BREAK":
                 yield event({"error": {"message": "engine died", "code": 500}})
                 return
@@ -139,6 +141,16 @@ def test_measured_ttft_and_itl_follow_the_servers_delays(server) -> None:
     assert TTFT_S * 1000 <= s.ttft_ms.p50 < (TTFT_S + 1.0) * 1000
     assert ITL_S * 500 <= s.itl_ms.p50 < (ITL_S + 1.0) * 1000
     assert ITL_S * 500 <= s.tpot_ms.p50 < (ITL_S + 1.0) * 1000
+
+
+def test_a_token_whose_text_is_held_back_is_timed_on_arrival_as_vllms_client_does(server) -> None:
+    """The first chunk carries a token with no text yet: TTFT is its arrival, not the
+    next chunk's, and it counts as an interval like any token."""
+    _, url = server
+    (r,) = _run(url, [BenchRequest("HELD", 3)]).requests
+    assert r.error is None and len(r.token_times) == 3
+    assert TTFT_S <= r.ttft < TTFT_S + 1.0 < HELD_S
+    assert r.itls[0] >= HELD_S - 0.05
 
 
 def test_usage_is_read_from_the_final_chunk(server) -> None:
