@@ -150,10 +150,9 @@ def router_phases_from_traces(traces: Sequence[RequestTrace]) -> dict[str, float
 
 def _per_request(sums: Mapping[str, float | None], counts: Mapping[str, float | None]) -> dict[str, float]:
     """The ingress's phase and the router's up to the first token are averaged over every
-    request that got one, a phase
-    a request skipped counting 0 for it (a conditional router's local prefills have no
-    prefill phase), so they add up to the mean TTFT; second_token and decode over the
-    requests that had them."""
+    request that got one, a phase a request skipped counting 0 for it (a conditional router's
+    local prefills have no prefill phase), so they add up to the mean TTFT; second_token and
+    decode over the requests that had them."""
     n = counts.get("first_token")
     out = {p: sums[p] / n for p in ("ingress", *TTFT_PHASES) if sums.get(p) is not None and n}
     after = {p: _mean(sums.get(p), counts.get(p)) for p in LATER_PHASES}

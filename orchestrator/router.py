@@ -254,8 +254,9 @@ class RequestTrace(msgspec.Struct):
         """Seconds spent in each phase this request reached, in order (for /metrics and benchmarks).
 
         ingress (HTTP requests only): from reaching the ingress to reaching the router, vLLM's
-        serving layer parsing, rendering and tokenizing it; prefill: arrival at the router to the prefill engine's answer (disaggregated only); route: to the
-        decode (or colocated) request leaving; first_token: to its first token (KV pull and
+        serving layer parsing, rendering and tokenizing it; prefill: arrival at the router to
+        the prefill engine's answer (disaggregated only); route: to the decode (or colocated)
+        request leaving; first_token: to its first token (KV pull and
         first decode step, or queue and prefill when colocated; when the prefill's token is
         streamed, handing it on, and no route: the decode request leaves after that);
         second_token (only then): to the decode engine's first token (the decode request's
