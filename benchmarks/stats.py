@@ -24,8 +24,10 @@ class RequestResult(msgspec.Struct, frozen=True):
     index: int  # position in the request list handed to the load generator
     start: float  # seconds from the run's start to sending the request
     latency: float  # seconds from sending to the end of the response (or to the failure)
-    token_times: list[float]  # seconds from sending to each chunk carrying non-empty text
-    output_tokens: int  # usage.completion_tokens, else the number of non-empty chunks
+    # Seconds from sending to each chunk carrying a token, its text shown or held back (as
+    # vLLM's client times them: a byte of a UTF-8 character streams with no text).
+    token_times: list[float]
+    output_tokens: int  # usage.completion_tokens, else the number of token-carrying chunks
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reported it
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     error: str | None = None  # why the request failed; None when it succeeded
@@ -36,7 +38,7 @@ class RequestResult(msgspec.Struct, frozen=True):
 
     @property
     def ttft(self) -> float | None:
-        """Time to the first non-empty token, seconds."""
+        """Time to the first token-carrying chunk, seconds."""
         return self.token_times[0] if self.token_times else None
 
     @property

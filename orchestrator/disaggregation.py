@@ -23,7 +23,10 @@ streams the first token (`routing.first_token: prefill`), a remote prefill's tim
 token is its own queue and uncached part, with no KV move or decode step in it: then a
 request goes local only if the decode engine has no more to compute before its first token
 than the best prefill replica (ties stay local, sparing the KV move), so local prefills do
-not stack on the decode engine while a prefill replica would answer sooner. A request that asks for its prompt's logprobs (echo with
+not stack on the decode engine while a prefill replica would answer sooner. What the decode
+engine would load from the CPU tier counts `routing.kv_load_cost` of a computed token, as
+on the prefill side: a load is a wait for the tier and a scheduler step, and a chat a
+prefill replica holds in its own cache is not a tie with a decode engine that must load it. A request that asks for its prompt's logprobs (echo with
 logprobs, `prompt_logprobs`) is always prefilled where its output streams: vLLM computes them
 in the forward pass over the prompt, which a decode engine that pulls the KV never runs.
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 from typing import Literal
 
 from orchestrator.config import RoutingConfig
+from orchestrator.scoring import new_tokens
 
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
@@ -67,14 +71,17 @@ def decide(
     decode_cached_tokens: float,
     decode_outstanding: int,
     *,
+    decode_loaded_tokens: float = 0.0,
     decode_queued_tokens: float = 0.0,
     prefill_ahead_tokens: float | None = None,
     first_from_prefill: bool = False,
     prompt_logprobs: bool = False,
     at_risk_tokens: float = 0.0,
 ) -> tuple[Decision, Reason]:
-    """`decode_cached_tokens`: prompt tokens the decode engine would not compute (its prefix
-    cache, or the CPU tier); `decode_outstanding`: requests in flight there;
+    """`decode_cached_tokens`: prompt tokens in the decode engine's prefix cache;
+    `decode_loaded_tokens`: those beyond them it would load from the CPU tier, each costing
+    `routing.kv_load_cost` of a computed one, as the prefill replicas' do in
+    `prefill_ahead_tokens`; `decode_outstanding`: requests in flight there;
     `decode_queued_tokens`: prompt tokens of local prefills sent to the decode engine that it
     has not computed yet;
     `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
@@ -88,7 +95,8 @@ def decide(
         return "remote", "always"
     if cfg.disaggregation == "never":
         return "local", "never"
-    to_compute = prompt_tokens - decode_cached_tokens + decode_queued_tokens
+    to_compute = new_tokens(prompt_tokens, decode_cached_tokens, decode_loaded_tokens, cfg.kv_load_cost)
+    to_compute += decode_queued_tokens
     args = (cfg, decode_outstanding, prefill_ahead_tokens, first_from_prefill)
     if reason := _local(to_compute + at_risk_tokens, *args):
         return "local", reason

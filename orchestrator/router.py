@@ -483,22 +483,25 @@ class Router:
         self, request: EngineRequest, prompt: PromptKeys | None, decode: EngineRef, trace: RequestTrace, forward: bool
     ) -> tuple[Decision, float]:
         """Prefill this request remotely or on `decode` (routing.disaggregation), counted; with
-        the prompt tokens `decode` would compute itself. `forward`: a remote prefill's token
-        would be the client's first (routing.first_token)."""
-        cached = at_risk = 0.0
+        what `decode` would compute itself, in computed-token units (a load from the CPU tier
+        costing routing.kv_load_cost). `forward`: a remote prefill's token would be the
+        client's first (routing.first_token)."""
+        cached = 0
+        loaded = at_risk = 0.0
         ahead: float | None = None
         picker = self.pools["prefill"]
+        n = len(request.prompt_token_ids)
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
             tier = self.cache.tier_prefix(decode, prompt)
             cached = self.cache.cached_tokens(decode, prompt)
-            cached += self._tier_tokens(decode, tier, cached)
-            n = len(prompt.token_ids)
+            loaded = self._tier_tokens(decode, tier, cached)
             candidates = picker.candidates()
             facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
             ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
         held_up = self._outstanding(decode, self._output_pool())
-        decision, reason = decide(self.routing, len(request.prompt_token_ids), cached, held_up,
+        decision, reason = decide(self.routing, n, cached, held_up,
+                                  decode_loaded_tokens=loaded,
                                   decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
                                   prefill_ahead_tokens=ahead,
                                   first_from_prefill=forward,
@@ -506,7 +509,7 @@ class Router:
                                   at_risk_tokens=at_risk)
         _count(self.stats.decisions, f"{decision}:{reason}")
         trace.disaggregation = decision
-        return decision, len(request.prompt_token_ids) - cached
+        return decision, new_tokens(n, cached, loaded, self.routing.kv_load_cost)
 
     def _stranded_tokens(self, decode: EngineRef, prompt: PromptKeys, candidates: Sequence[EngineRef],
                          facts: Sequence[EngineFacts]) -> float:

@@ -413,6 +413,28 @@ def test_with_the_first_token_from_prefill_local_prefills_must_not_start_later_t
     assert decide(cond, 5000, 0, 0, prefill_ahead_tokens=4000, first_from_prefill=True) == ("remote", "prefill_sooner")
 
 
+def test_what_the_decode_engine_would_load_from_the_tier_costs_as_a_prefill_replicas_load() -> None:
+    """A token loaded from the CPU tier costs routing.kv_load_cost of a computed one on both
+    sides: a decode engine that would load 400 tokens a prefill replica holds in its own
+    prefix cache is no tie with it (the load is a wait for the tier and a scheduler step)."""
+    cond = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=1000, kv_load_cost=0.1)
+    # 100 computed + 400 loaded (40) on the decode engine against 100 computed on the prefill
+    # replica: the prefill replica streams the first token sooner.
+    assert decide(cond, 500, 0, 0, decode_loaded_tokens=400, prefill_ahead_tokens=100,
+                  first_from_prefill=True) == ("remote", "prefill_sooner")
+    # The same 400 in the decode engine's own cache: a tie, local (no KV move).
+    assert decide(cond, 500, 400, 0, prefill_ahead_tokens=100, first_from_prefill=True) == ("local", "short_uncached")
+    # Both would load them: a tie again.
+    assert decide(cond, 500, 0, 0, decode_loaded_tokens=400, prefill_ahead_tokens=140,
+                  first_from_prefill=True) == ("local", "short_uncached")
+    # The load counts in the stall budget too: 100 + 40 tokens x 2 requests held up is over 250.
+    tight = msgspec.structs.replace(cond, local_prefill_max_tokens=250)
+    assert decide(tight, 500, 400, 1) == ("local", "short_uncached")
+    assert decide(tight, 500, 0, 1, decode_loaded_tokens=400) == ("remote", "long_uncached")
+    # Loads are never free: a fully cached prompt still computes its last token.
+    assert decide(cond, 500, 500, 0, prefill_ahead_tokens=1, first_from_prefill=True) == ("local", "short_uncached")
+
+
 def test_a_history_a_local_prefill_would_likely_lose_counts_against_it() -> None:
     """`at_risk_tokens`: what the decode engine would hold alone and likely lose, computed
     again by the conversation's next turn."""
@@ -960,6 +982,27 @@ def test_the_tier_counts_for_a_local_prefill_only_where_the_decode_engine_loads_
         trace = RequestTrace()
         serve_one(router, prompt, trace)
         assert trace.disaggregation == expected, loads_tier
+
+
+def test_a_turn_a_prefill_replica_holds_goes_there_rather_than_to_a_decode_engine_loading_it_from_the_tier() -> None:
+    """The prefill replica holds the chat's history in its own prefix cache, the decode
+    engine only through the tier: remote (prefill_sooner), and the decode engine is not
+    counted the history as a local prefill's queue. Held in the decode engine's own cache
+    instead, the same turn is a tie and stays local."""
+    from orchestrator.cache_view import CacheView
+
+    history = list(range(5000, 5000 + 10 * BLOCK))
+    turn = history + list(range(9000, 9000 + BLOCK // 2))
+    cfg = RoutingConfig(disaggregation="conditional", local_prefill_max_tokens=10 * BLOCK)
+    for decode_holds, expected in (([], "remote"), ([history], "local")):
+        prefill, decode = CachingEngine("p", [history]), CachingEngine("d", decode_holds)
+        decode_ref = msgspec.structs.replace(decode.ref("decode"), node_id="n1", loads_tier=True)
+        router = Router([prefill.ref("prefill"), decode_ref], cfg, cache_view=CacheView(_Tier(history)))
+        trace = RequestTrace()
+        serve_one(router, turn, trace)
+        assert trace.disaggregation == expected, decode_holds
+        reason = "prefill_sooner" if expected == "remote" else "short_uncached"
+        assert router.stats.decisions[f"{expected}:{reason}"] == 1, router.stats.decisions
 
 
 def test_engines_hear_how_much_of_the_prompt_the_tier_holds_so_a_miss_skips_their_lookup() -> None:
