@@ -108,10 +108,17 @@ class TierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def _tier_holds_none(request: Request) -> bool:
-    """The router that sent the request knows the tier holds none of its prompt's blocks
-    (TIER_HINT): a lookup would only hold the request for the index's "no"."""
-    return (request.kv_transfer_params or {}).get(TIER_HINT) == 0
+def _skips_tier(request: Request) -> bool:
+    """Whether the tier has nothing to offer the request, so a lookup would only hold it for
+    the index's answer: the router that sent it knows the tier holds none of its prompt's
+    blocks (TIER_HINT), or its prompt's KV is pulled from the engine that prefilled it (vLLM's
+    P/D `do_remote_prefill`, which the P/D connector clears once it plans the pull, so a pull
+    that fails asks the tier again). Under conditional disaggregation a decode engine loads
+    from the tier, and MultiConnector admits a request only once every child has answered: a
+    lookup per remote prefill held each one a step behind the index, and stalled the engine's
+    running decodes while the scheduler waited for it (docs/bench-results.md, runs 85-88)."""
+    params = request.kv_transfer_params or {}
+    return params.get(TIER_HINT) == 0 or bool(params.get("do_remote_prefill"))
 
 
 class _Pending:
@@ -168,7 +175,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         """Called when a request reaches the scheduler: start its lookup now, so the answer is
         usually in by the time the scheduler first considers the request."""
-        if self.settings.load and self._loadable_blocks(request) > 0 and not _tier_holds_none(request):
+        if self.settings.load and self._loadable_blocks(request) > 0 and not _skips_tier(request):
             self._start_lookup(request, 0)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -176,7 +183,7 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         for the index's answer, then returns (None, False) while it is still in flight; once
         answered, (tokens of the held prefix beyond num_computed_tokens, True: loaded
         asynchronously), or (0, False) on a miss."""
-        if not self.settings.load or _tier_holds_none(request):
+        if not self.settings.load or _skips_tier(request):
             return 0, False
         req_id = request.request_id
         first = num_computed_tokens // self.block_size

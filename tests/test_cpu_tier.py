@@ -474,6 +474,28 @@ def test_a_request_whose_router_knows_the_tier_holds_none_of_it_asks_the_index_n
     conn.request_finished(req, [])
 
 
+def test_a_request_whose_kv_is_pulled_from_its_prefill_engine_asks_the_index_nothing_until_the_pull_is_planned(
+    tier_scheduler: tuple[Any, Any],
+) -> None:
+    """A decode request with vLLM's `do_remote_prefill`: no lookup, no wait, though the tier
+    holds its prefix. Once the P/D connector has planned the pull (it clears the flag), a
+    failed pull's second admission asks the tier as any request does."""
+    conn, index = tier_scheduler
+    lookups = ray_get(index.get_stats.remote()).num_lookups
+    req = request("pulled", H[:3], {"do_remote_prefill": True, "remote_engine_id": "prefill-0"})
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ray_get(index.get_stats.remote()).num_lookups == lookups
+    req.kv_transfer_params["do_remote_prefill"] = False  # what NixlConnector does when it plans the pull
+    deadline = time.monotonic() + 60
+    while (answer := conn.get_num_new_matched_tokens(req, 0)) == (None, False):
+        assert time.monotonic() < deadline, "the lookup was never answered"
+        time.sleep(0.01)
+    assert answer == (2 * BS, True)
+    assert ray_get(index.get_stats.remote()).num_lookups == lookups + 1
+    conn.request_finished(req, [])
+
+
 def test_only_a_request_holding_pins_costs_the_index_an_unpin_when_it_ends(tier_scheduler: tuple[Any, Any]) -> None:
     """A request told the tier holds none of it, or whose load has ended, holds no pins: its end
     asks the index nothing (a Ray call from the engine core per request). One that ends
