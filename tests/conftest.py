@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +26,31 @@ def free_port(count: int = 1) -> int:
     (benchmarks.scenarios.free_ports: outside the ephemeral range, where Ray's own outgoing
     connections would race a server for it)."""
     return free_ports(count)
+
+
+@contextmanager
+def together(*servers: AbstractContextManager[Any]) -> Iterator[tuple[Any, ...]]:
+    """Enter `servers` side by side (the first in this thread, the rest in threads of their
+    own) and yield what each yields: a module that needs a deployment and a reference server
+    waits for their start-ups at once, not one after the other, which on a host of few cores
+    still overlaps each one's waits (imports, Ray's scheduling, the plain server's readiness
+    poll) with the other's work. Exits them in reverse order; when one fails to start, those
+    that started are exited before its error is raised."""
+    values: list[Any] = []
+    errors: list[BaseException] = []
+    with ExitStack() as stack:
+        with ThreadPoolExecutor(max(1, len(servers) - 1)) as pool:
+            rest = [pool.submit(s.__enter__) for s in servers[1:]]
+            for server, enter in zip(servers, [servers[0].__enter__, *(f.result for f in rest)]):
+                try:
+                    values.append(enter())
+                except BaseException as err:  # wait for the others, to stop them before raising
+                    errors.append(err)
+                else:
+                    stack.push(server.__exit__)
+        if errors:
+            raise errors[0]
+        yield tuple(values)
 
 
 @pytest.fixture(scope="session")

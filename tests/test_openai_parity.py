@@ -21,7 +21,7 @@ import pytest
 from benchmarks.scenarios import vllm_server
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
-from tests.conftest import free_port
+from tests.conftest import free_port, together
 from tests.openai_corpus import CASES, MODEL, Case, observe
 
 pytestmark = pytest.mark.engines
@@ -37,22 +37,27 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def tandem(ray_local: None, tiny_model: object) -> Iterator[Running]:
+def servers(ray_local: None, tiny_model: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Running, str]]:
+    """Tandem's default 1P1D and a plain vLLM server of the same settings, started side by side."""
     cfg = parse_config(SETTINGS | {"serve": SETTINGS["serve"] | {"port": free_port()},
                                    "kv_transfer": {"side_channel_base_port": free_port(8)}})
-    with running(cfg, own_ray=False) as up:
-        yield up
+    plain = parse_config(SETTINGS | {"colocated": {}, "serve": SETTINGS["serve"] | {"port": free_port()}})
+    log = Path(tmp_path_factory.mktemp("vllm")) / "vllm-server.log"
+    before = _sockets_in_temp_dir()
+    with together(running(cfg, own_ray=False), vllm_server(plain, log)) as (up, (url, _pid)):
+        yield up, url
+    left = _sockets_in_temp_dir() - before  # Tandem's engines keep theirs in directories of their own
+    assert not left, f"the plain vLLM server left its ipc sockets in the temp dir: {sorted(left)[:3]}"
 
 
 @pytest.fixture(scope="module")
-def plain_vllm(tiny_model: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cfg = parse_config(SETTINGS | {"colocated": {}, "serve": SETTINGS["serve"] | {"port": free_port()}})
-    log = Path(tmp_path_factory.mktemp("vllm")) / "vllm-server.log"
-    before = _sockets_in_temp_dir()
-    with vllm_server(cfg, log) as (url, _pid):
-        yield url
-    left = _sockets_in_temp_dir() - before  # Tandem's engines keep theirs in directories of their own
-    assert not left, f"the plain vLLM server left its ipc sockets in the temp dir: {sorted(left)[:3]}"
+def tandem(servers: tuple[Running, str]) -> Running:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(servers: tuple[Running, str]) -> str:
+    return servers[1]
 
 
 def _sockets_in_temp_dir() -> set[Path]:

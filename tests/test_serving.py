@@ -10,6 +10,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -26,7 +27,7 @@ from orchestrator.job import Running, running
 from orchestrator.protocol import EngineRef
 from orchestrator.router import stream_engine
 from actors.stream import EngineStreams, stream
-from tests.conftest import free_port
+from tests.conftest import free_port, together
 
 pytestmark = pytest.mark.engines
 
@@ -35,8 +36,19 @@ MODEL = "tandem-tiny"
 TOKEN_PATH_PORT = free_port(8)
 
 
+@contextmanager
+def deployed(dep: Deployment) -> Iterator[list[EngineRef]]:
+    engines = dep.start()
+    try:
+        yield engines
+    finally:
+        dep.stop()
+
+
 @pytest.fixture(scope="module")
-def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
+def servers(ray_local: None, tiny_model: object) -> Iterator[tuple[Running, EngineRef]]:
+    """The 1P1D deployment and a single colocated engine with the same model and engine args
+    (no KV connector, no Serve app), started side by side."""
     cfg = parse_config(
         {
             "engine_args": {"max_model_len": MAX_MODEL_LEN},
@@ -47,17 +59,19 @@ def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
             "kv_transfer": {"side_channel_base_port": free_port(8)},
         }
     )
-    with running(cfg, own_ray=False) as up:
-        yield up
+    reference = Deployment(parse_config({"engine_args": {"max_model_len": MAX_MODEL_LEN}, "colocated": {}, "serve": {"app_name": "reference"}}))
+    with together(running(cfg, own_ray=False), deployed(reference)) as (up, (engine,)):
+        yield up, engine
 
 
 @pytest.fixture(scope="module")
-def reference(ray_local: None, tiny_model: object) -> Iterator[EngineRef]:
-    """A single colocated engine with the same model and engine args, no KV connector."""
-    dep = Deployment(parse_config({"engine_args": {"max_model_len": MAX_MODEL_LEN}, "colocated": {}, "serve": {"app_name": "reference"}}))
-    (engine,) = dep.start()
-    yield engine
-    dep.stop()
+def pd(servers: tuple[Running, EngineRef]) -> Running:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def reference(servers: tuple[Running, EngineRef]) -> EngineRef:
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
