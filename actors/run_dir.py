@@ -12,11 +12,14 @@ goes in as a short hash, since a Unix socket's path must fit in 107 bytes and a 
 pod's host name alone may take 63. A `VLLM_RPC_BASE_PATH` set by the user stays the parent.
 
 The same goes for the shared memory a tensor-parallel engine's processes make in /dev/shm
-(vLLM's executor queue, `psm_*`, 160 MiB; the CPU ranks' buffers, `vllm_dist_*`): vLLM
-unlinks it only on a clean exit, which an engine core killed after its stop's grace, or with
-its actor, never reaches. The engine writes the names its processes map into its run
-directory (`record_shared_memory`), and they go with it. So does torch's rendezvous file of
-a one-rank engine core (actors.executor).
+(vLLM's executor queue, `psm_*`, 160 MiB; the CPU ranks' buffers, `vllm_dist_*`) and for the
+named semaphore every engine core makes while it loads weights (tqdm's write lock, a Python
+multiprocessing lock, `sem.mp-*`): vLLM unlinks the first only on a clean exit, which an
+engine core killed after its stop's grace, or with its actor, never reaches, and Python's
+resource tracker, which would unlink the lock, is killed with the actor (Ray kills a dead
+worker's children). The engine writes the names its processes map into its run directory
+(`record_shared_memory`), and they go with it. So does torch's rendezvous file of a one-rank
+engine core (actors.executor).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import psutil
 PREFIX = "tandem-engine-"
 # In a run directory: the shared-memory files its engine's processes made, one per line.
 SHARED_MEMORY_LIST = "shared-memory"
-# Where those files live, and the names vLLM gives them (no other engine maps them).
+# Where those files live, and the names vLLM and Python's multiprocessing give them (no
+# other engine maps them).
 SHM_ROOT = Path("/dev/shm")
-SHM_NAMES = ("psm_", "vllm_dist_")
+SHM_NAMES = ("psm_", "vllm_dist_", "sem.mp-")
 
 
 def own_prefix() -> str:
@@ -104,18 +108,33 @@ def shared_memory(pids: Iterable[int]) -> set[str]:
 
 
 def _mapped(pids: Iterable[int]) -> set[str]:
-    """The names of vLLM's files in /dev/shm that these processes map."""
-    found = set()
+    """The names of vLLM's files in /dev/shm that these processes map. Matched by the file,
+    not by the path the maps show: glibc makes a named semaphore under a temporary name, maps
+    it, links it to its real name and unlinks the temporary one, so a `sem.mp-*` lock shows in
+    its process's maps as "/dev/shm/sem.XXXXXX (deleted)"."""
+    files = set()
     for pid in pids:
         try:
-            maps = psutil.Process(pid).memory_maps()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.readlines()
+        except OSError:  # gone, or another user's
             continue
-        for m in maps:
-            path = Path(m.path)
-            # A file already unlinked reads "<path> (deleted)": nothing left to remove.
-            if path.parent == SHM_ROOT and path.name.startswith(SHM_NAMES) and not m.path.endswith(" (deleted)"):
-                found.add(path.name)
+        for line in lines:
+            # address perms offset major:minor inode path
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM_ROOT}/"):
+                major, minor = fields[3].split(":")
+                files.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+    found = set()
+    for path in SHM_ROOT.iterdir():
+        if not path.name.startswith(SHM_NAMES):
+            continue
+        try:
+            st = path.lstat()
+        except OSError:  # unlinked meanwhile
+            continue
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in files:
+            found.add(path.name)
     return found
 
 

@@ -31,7 +31,7 @@ import psutil
 import pytest
 import ray
 
-from actors.run_dir import own_prefix
+from actors.run_dir import SHARED_MEMORY_LIST, SHM_ROOT, own_prefix
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
 from orchestrator.protocol import DeploymentStatus
@@ -280,14 +280,19 @@ def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Runn
 
 def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, reference: dict) -> None:
     victim, expected = replica(status(pd), "prefill-0"), restarts(pd, plus_one="prefill-0")
+    # What its processes hold in /dev/shm, which a SIGKILL leaves behind: its engine core's
+    # multiprocessing lock at least (actors.run_dir).
+    shm_files = (run_dir(victim.pid) / SHARED_MEMORY_LIST).read_text().split()
+    assert any(n.startswith("sem.mp-") for n in shm_files) and all((SHM_ROOT / n).exists() for n in shm_files), shm_files
     indices = list(range(24)) * 2
     results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", victim.pid), delay_s=0.3, held=1)
     check_answers(results, reference, indices)
     full_strength(pd, expected)
     after = replica(status(pd), "prefill-0")
     assert after.pid != victim.pid and after.incarnation != victim.incarnation
-    # The killed actor could not remove its sockets; the engine started after it did.
+    # The killed actor could not remove its sockets and shared memory; the engine started after it did.
     assert not run_dir(victim.pid).exists() and run_dir(after.pid).is_dir()
+    assert not [n for n in shm_files if (SHM_ROOT / n).exists()]
     m = scrape(pd)
     assert metric(m, "tandem_engine_restarts_total", engine="prefill-0") == 1
     assert metric(m, "tandem_fallbacks_total") > 0, "requests met no prefill engine while it restarted"

@@ -40,11 +40,14 @@ def test_a_run_dir_is_this_processs_and_a_dead_processs_is_swept_by_the_next(tmp
     assert sweep_dead(tmp_path) == []
 
 
-def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path: Path) -> None:
-    """A process makes a segment in /dev/shm as vLLM's executor queue does (psm_*, not
-    unlinked by Python's resource tracker) and is SIGKILLed: the run dir's list names it, and
-    sweeping the dead process's run dir unlinks it."""
-    maker, segment = start_segment_maker()
+@pytest.mark.parametrize("kind", ["shared_memory", "semaphore"])
+def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path: Path, kind: str) -> None:
+    """A process makes a file in /dev/shm as vLLM's processes do (a segment as its executor
+    queue, psm_*; a multiprocessing lock as tqdm in its engine core, sem.mp-*, which the maps
+    show under the temporary name it was made with), neither unlinked by Python's resource
+    tracker, and is SIGKILLed: the run dir's list names it, and sweeping the dead process's run
+    dir unlinks it."""
+    maker, segment = start_segment_maker(kind)  # type: ignore[arg-type]
     name = segment.name
     try:
         run_dir = tmp_path / f"{own_prefix()}{maker.pid}"
