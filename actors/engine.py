@@ -36,7 +36,7 @@ from actors.kv_events import KVEventFollower, hash_settings
 from actors.load import LoadMeter
 from actors.logs import setup_logging
 from actors.resume import ResumedText
-from actors.run_dir import make_run_dir, record_shared_memory, remove
+from actors.run_dir import make_run_dir, record_shared_memory, recording_shared_memory, remove
 from actors.stream import Emit, StreamServer
 from actors.protocol import (
     TRANSFER_BUCKETS,
@@ -332,7 +332,7 @@ class EngineActor:
         observe = partial(_observe_connector_stats, slow_s=spec.slow_transfer_s)
         factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
         vcfg = one_process_engine_config(args)
-        with omp_environment(vcfg):
+        with omp_environment(vcfg), recording_shared_memory(self.run_dir):
             self.llm: Any = AsyncLLM.from_vllm_config(
                 vcfg, stat_loggers=[factory], enable_log_requests=args.enable_log_requests,
                 disable_log_stats=args.disable_log_stats)

@@ -12,14 +12,15 @@ goes in as a short hash, since a Unix socket's path must fit in 107 bytes and a 
 pod's host name alone may take 63. A `VLLM_RPC_BASE_PATH` set by the user stays the parent.
 
 The same goes for the shared memory a tensor-parallel engine's processes make in /dev/shm
-(vLLM's executor queue, `psm_*`, 160 MiB; the CPU ranks' buffers, `vllm_dist_*`) and for the
-named semaphore every engine core makes while it loads weights (tqdm's write lock, a Python
-multiprocessing lock, `sem.mp-*`): vLLM unlinks the first only on a clean exit, which an
-engine core killed after its stop's grace, or with its actor, never reaches, and Python's
-resource tracker, which would unlink the lock, is killed with the actor (Ray kills a dead
-worker's children). The engine writes the names its processes map into its run directory
-(`record_shared_memory`), and they go with it. So does torch's rendezvous file of a one-rank
-engine core (actors.executor).
+(vLLM's executor queue, `psm_*`, 160 MiB; the CPU ranks' buffers, `vllm_dist_*`) and for
+Python multiprocessing locks (`sem.mp-*`: tqdm's, in every engine core until actors.executor
+gave it a thread lock; the one vLLM's one-rank executor holds while the weights load): vLLM
+unlinks its segments only on a clean exit, which an engine core killed after its stop's grace, or
+with its actor, never reaches, and Python's resource tracker, which would unlink a lock, is
+killed with the actor (Ray kills a dead worker's children). The engine writes the names its
+processes map into its run directory while it starts and once it is up
+(`recording_shared_memory`, `record_shared_memory`), and they go with it. So does torch's
+rendezvous file of a one-rank engine core (actors.executor).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -95,11 +98,39 @@ def unlink_shared_memory(names: Iterable[str]) -> None:
 
 
 def record_shared_memory(run_dir: Path, pids: Iterable[int]) -> list[str]:
-    """Write into `run_dir` the shared-memory files of vLLM's that the engine processes
-    `pids` map and this one does not; returns their names."""
-    names = sorted(shared_memory(pids))
-    (run_dir / SHARED_MEMORY_LIST).write_text("".join(f"{n}\n" for n in names))
-    return names
+    """Add to `run_dir`'s list the shared-memory files of vLLM's that the engine processes
+    `pids` map and this one does not; returns every name listed."""
+    listed = run_dir / SHARED_MEMORY_LIST
+    try:
+        names = set(listed.read_text().split())
+    except FileNotFoundError:
+        names = set()
+    names |= shared_memory(pids)
+    listed.write_text("".join(f"{n}\n" for n in sorted(names)))
+    return sorted(names)
+
+
+@contextmanager
+def recording_shared_memory(run_dir: Path, period_s: float = 0.1) -> Iterator[None]:
+    """While the block runs (vLLM starting the engine), add what this process's children map
+    to `run_dir`'s list every `period_s`: an engine killed before it is up (a Ctrl-C, a start
+    timeout) leaves its list for the sweep too. vLLM's one-rank executor holds a
+    multiprocessing lock, a `sem.mp-*` file, while the weights load. A kill within a period of
+    the file's making still leaves it: 1 of 8 Ctrl-Cs at engine start did here at 0.1 s, 2 of 2
+    at 1 s."""
+    stop = threading.Event()
+
+    def record() -> None:
+        while not stop.wait(period_s):
+            record_shared_memory(run_dir, [p.pid for p in psutil.Process().children(recursive=True)])
+
+    recorder = threading.Thread(target=record, name="tandem-shm-recorder", daemon=True)
+    recorder.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        recorder.join()
 
 
 def shared_memory(pids: Iterable[int]) -> set[str]:

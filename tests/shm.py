@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from actors.run_dir import SHM_ROOT
+from actors.run_dir import SHM_NAMES, SHM_ROOT
 
 # Each makes a file that Python's resource tracker will not unlink (vLLM's queue is not left to
 # it; an engine core's lock is, but the tracker dies with the engine's actor), prints its name
@@ -41,3 +41,8 @@ def start_segment_maker(kind: Literal["shared_memory", "semaphore"] = "shared_me
     segment = SHM_ROOT / proc.stdout.readline().strip()
     assert segment.name.startswith(_PREFIXES[kind]) and segment.exists(), segment
     return proc, segment
+
+
+def vllm_shm() -> set[str]:
+    """The files in /dev/shm named as vLLM's and Python's multiprocessing's (actors.run_dir)."""
+    return {p.name for p in SHM_ROOT.iterdir() if p.name.startswith(SHM_NAMES)}

@@ -31,12 +31,13 @@ import psutil
 import pytest
 import ray
 
-from actors.run_dir import SHARED_MEMORY_LIST, SHM_ROOT, own_prefix
+from actors.run_dir import SHM_ROOT, own_prefix, shared_memory
 from orchestrator.config import parse_config
 from orchestrator.job import Running, running
 from orchestrator.protocol import DeploymentStatus
 from tests.conftest import free_port
 from tests.faults import HOLD_MARK, HOLD_S, KV_LOAD_FAILURE_MARK
+from tests.shm import vllm_shm
 
 pytestmark = pytest.mark.engines
 
@@ -62,7 +63,13 @@ LOAD_S, BREATH_S = 6.0, 2.5
 
 
 @pytest.fixture(scope="module")
-def pd(ray_local: None, tiny_model: object) -> Iterator[Running]:
+def shm_before() -> set[str]:
+    """vLLM's and Python's files in /dev/shm before the module's engines start."""
+    return vllm_shm()
+
+
+@pytest.fixture(scope="module")
+def pd(ray_local: None, tiny_model: object, shm_before: set[str]) -> Iterator[Running]:
     cfg = parse_config({
         **CONFIG,
         "serve": {"port": free_port()},
@@ -278,12 +285,8 @@ def test_status_json_names_every_replica_with_the_pid_an_operator_kills(pd: Runn
     assert "deployment tandem: ok" in text.stdout and "prefill-0" in text.stdout
 
 
-def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, reference: dict) -> None:
+def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, reference: dict, shm_before: set[str]) -> None:
     victim, expected = replica(status(pd), "prefill-0"), restarts(pd, plus_one="prefill-0")
-    # What its processes hold in /dev/shm, which a SIGKILL leaves behind: its engine core's
-    # multiprocessing lock at least (actors.run_dir).
-    shm_files = (run_dir(victim.pid) / SHARED_MEMORY_LIST).read_text().split()
-    assert any(n.startswith("sem.mp-") for n in shm_files) and all((SHM_ROOT / n).exists() for n in shm_files), shm_files
     indices = list(range(24)) * 2
     results = load(pd, indices, concurrency=3, during=lambda: kill_while_serving(pd, "prefill-0", victim.pid), delay_s=0.3, held=1)
     check_answers(results, reference, indices)
@@ -292,7 +295,10 @@ def test_killing_the_prefill_engine_under_load_loses_no_request(pd: Running, ref
     assert after.pid != victim.pid and after.incarnation != victim.incarnation
     # The killed actor could not remove its sockets and shared memory; the engine started after it did.
     assert not run_dir(victim.pid).exists() and run_dir(after.pid).is_dir()
-    assert not [n for n in shm_files if (SHM_ROOT / n).exists()]
+    # Nor does anything of the killed engine's stay in /dev/shm (its engine core's
+    # multiprocessing lock did: actors.executor, actors.run_dir).
+    left = vllm_shm() - shm_before - shared_memory(engine_pids(pd))
+    assert not left, f"the killed engine left in {SHM_ROOT}: {sorted(left)}"
     m = scrape(pd)
     assert metric(m, "tandem_engine_restarts_total", engine="prefill-0") == 1
     assert metric(m, "tandem_fallbacks_total") > 0, "requests met no prefill engine while it restarted"

@@ -6,11 +6,20 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from actors.run_dir import SHARED_MEMORY_LIST, make_run_dir, own_prefix, record_shared_memory, sweep_dead
+from actors.run_dir import (
+    SHARED_MEMORY_LIST,
+    make_run_dir,
+    own_prefix,
+    record_shared_memory,
+    recording_shared_memory,
+    remove,
+    sweep_dead,
+)
 from tests.shm import start_segment_maker
 
 
@@ -64,6 +73,46 @@ def test_the_shared_memory_an_engine_process_maps_goes_with_its_run_dir(tmp_path
         listed.write(f"../..{bystander}\n")
     assert sweep_dead(tmp_path) == [run_dir]
     assert not segment.exists() and not run_dir.exists() and bystander.exists()
+
+
+def test_what_an_engines_processes_map_while_it_starts_is_listed_before_it_is_up(tmp_path: Path) -> None:
+    """An engine killed while vLLM starts it (a Ctrl-C, a start timeout) never reaches the
+    record made once it is up: while it starts, what its processes map is added to the list
+    every period, and the file of a process that died meanwhile stays listed."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    makers = []
+    try:
+        with recording_shared_memory(run_dir, period_s=0.05):
+            first, first_file = start_segment_maker("semaphore")
+            makers.append(first)
+            wait_listed(run_dir, first_file.name)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            second, second_file = start_segment_maker("shared_memory")
+            makers.append(second)
+            wait_listed(run_dir, second_file.name)
+        assert _listed(run_dir) == {first_file.name, second_file.name}
+    finally:
+        for maker in makers:
+            maker.send_signal(signal.SIGKILL)
+            maker.wait()
+    remove(run_dir)
+    assert not first_file.exists() and not second_file.exists() and not run_dir.exists()
+
+
+def wait_listed(run_dir: Path, name: str) -> None:
+    deadline = time.monotonic() + 30
+    while name not in _listed(run_dir):
+        assert time.monotonic() < deadline, f"the recorder never listed {name}"
+        time.sleep(0.05)
+
+
+def _listed(run_dir: Path) -> set[str]:
+    try:
+        return set((run_dir / SHARED_MEMORY_LIST).read_text().split())
+    except FileNotFoundError:
+        return set()
 
 
 def test_only_this_users_run_dirs_are_swept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,10 +10,11 @@ import psutil
 import pytest
 
 from actors.protocol import EngineRequest
-from actors.run_dir import SHM_NAMES, SHM_ROOT
+from actors.run_dir import SHM_ROOT
 from orchestrator.config import parse_config
 from orchestrator.deploy import Deployment
 from actors.stream import stream
+from tests.shm import vllm_shm
 
 pytestmark = pytest.mark.engines
 
@@ -26,7 +27,7 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
         "serve": {"app_name": "tp2"},
     })
     deployment = Deployment(cfg)
-    before = _vllm_shared_memory()
+    before = vllm_shm()
     (engine,) = deployment.start()
     try:
         (info,) = deployment.infos
@@ -51,14 +52,10 @@ def test_a_tp2_replica_serves_with_one_worker_per_rank_on_its_own_core(ray_local
 
         importlib.import_module("vllm._custom_ops")  # loads torch.ops._C, the kernels the engine runs
 
-        made = _vllm_shared_memory() - before
+        made = vllm_shm() - before
         assert any(n.startswith("psm_") for n in made), made
         assert any(n.startswith("vllm_dist_") for n in made) == hasattr(torch.ops._C, "init_shm_manager"), made
     finally:
         deployment.stop()
-    left = _vllm_shared_memory() - before
+    left = vllm_shm() - before
     assert not left, f"the stopped engine left shared memory in {SHM_ROOT}: {sorted(left)}"
-
-
-def _vllm_shared_memory() -> set[str]:
-    return {p.name for p in SHM_ROOT.iterdir() if p.name.startswith(SHM_NAMES)}
