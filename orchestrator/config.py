@@ -406,6 +406,12 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
             return {"both": self.colocated}
         return {"prefill": self.prefill or PoolConfig(), "decode": self.decode or PoolConfig()}
 
+    def prefilling_pools(self) -> frozenset[PoolRole]:
+        """The pools whose engines compute prompts: decode engines too unless every request
+        is disaggregated (`routing.disaggregation: always`)."""
+        computing: frozenset[PoolRole] = frozenset({"prefill", "both"})
+        return computing if self.routing.disaggregation == "always" else computing | {"decode"}
+
     def tier_pools(self) -> tuple[frozenset[PoolRole], frozenset[PoolRole]]:
         """The CPU tier's (save_from, load_into), defaults filled in. A decode engine that
         prefills locally and neither saves nor loads loses each prompt it computes to the
@@ -415,9 +421,7 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         part of a chat's next prompt that no prefill engine has computed. It writes only what
         the tier lacks (the index grants slots for new blocks only), so the prompt blocks its
         prefill engine saved cost it a lookup, not a copy."""
-        computing: frozenset[PoolRole] = frozenset({"prefill", "both"})
-        if self.routing.disaggregation != "always":
-            computing |= {"decode"}
+        computing = self.prefilling_pools()
         tier = self.cpu_tier
         saving = computing | {"decode"} if tier.save_outputs else computing
         return (
