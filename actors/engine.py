@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ import ray
 
 from actors.affinity import node_cores, pin_process
 from actors.kv_events import KVEventFollower, hash_settings
+from actors.kv_index import TIER_SKIP
 from actors.load import LoadMeter
 from actors.logs import setup_logging
 from actors.resume import ResumedText
@@ -100,6 +102,9 @@ STARTED_MEMORY = 10_000
 # A router's cache_updates call that saw a change (or timed out) waits this long more, so
 # that the events of one busy stretch reach routers in a few calls rather than one per step.
 CACHE_UPDATE_COALESCE_S = 0.01
+# The prompt an engine computes once before it serves (EngineActor.warm_up), in tokens: a
+# chat turn's size, capped by the engine's own limits.
+WARM_UP_TOKENS = 512
 # How long a CPU engine's vLLM engine core gets to exit on its own before it is killed
 # (vLLM's default is 5 s). Its useful cleanup (the connectors' shutdown, the NIXL handshake
 # thread) is over in under 2 s even on a slow 2-core host; what follows is a full garbage
@@ -373,6 +378,39 @@ class EngineActor:
 
     def info(self) -> EngineInfo:
         return self._info
+
+    async def warm_up(self) -> float:
+        """Compute one prompt of a chat turn's size and a token after it, then forget them: the
+        blocks (the prefix cache is reset, which routers see as a cleared cache) and the
+        counts. vLLM warms up nothing for a CPU engine in eager mode, and there a fresh
+        engine's first prompt took 20-30 ms longer than the next (docs/bench-results.md,
+        "A fresh engine's first prompt"); the pool manager calls this before the engine serves
+        anyone. The prompt stays out of the CPU tier (TIER_SKIP). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        vcfg = self.llm.vllm_config
+        n = min(WARM_UP_TOKENS, vcfg.model_config.max_model_len - 2, vcfg.scheduler_config.max_num_batched_tokens)
+        vocab = vcfg.model_config.get_vocab_size()
+        before = copy.deepcopy(self.stats)
+        # Tokens no prompt is likely to start with; its blocks are dropped anyway.
+        await self._run_alone([(i * 7919 + 104729) % vocab for i in range(n)], 2, "warm-up")
+        if not await self.llm.reset_prefix_cache():
+            logger.warning("engine %s kept its warm-up prompt's blocks: vLLM could not reset its prefix cache",
+                           self.spec.engine_id)
+        # vLLM publishes KV events (the reset's "all blocks cleared") from its next step: one
+        # token with no block to store makes that step now, not at the first user's request.
+        await self._run_alone([0], 1, "warm-up-cleared")
+        # The stat logger filled self.stats in place as the requests ran; metrics count users'.
+        for field in EngineStats.__struct_fields__:
+            setattr(self.stats, field, getattr(before, field))
+        return time.perf_counter() - t0
+
+    async def _run_alone(self, prompt: list[int], max_tokens: int, name: str) -> None:
+        """Run a prompt of the engine's own to its end, greedy, the CPU tier kept out of it."""
+        from vllm.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args={"kv_transfer_params": {TIER_SKIP: True}})
+        async for _ in self.llm.generate({"type": "token", "prompt_token_ids": prompt}, params, f"{name}-{self.incarnation}"):
+            pass
 
     def vllm_config(self) -> Any:
         """The engine's resolved VllmConfig, for the ingress's renderer (orchestrator.engine_client):

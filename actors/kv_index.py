@@ -114,6 +114,9 @@ class Grant(msgspec.Struct, frozen=True):
 # the prompt's blocks the tier holds as far as it knows (TierChanges): told none, the tier's
 # connector skips its lookup, which would hold the request for a round trip to the index.
 TIER_HINT = "tandem_tier_blocks"
+# The key in a request's kv_transfer_params that keeps the tier out of it (neither looked up
+# nor saved): an engine's warm-up prompt (EngineActor.warm_up), which no one will ask for.
+TIER_SKIP = "tandem_tier_skip"
 
 
 class TierChanges(msgspec.Struct, frozen=True):

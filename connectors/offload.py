@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from actors.kv_index import TIER_HINT, BlockLocation, Lookup, Unpin
+from actors.kv_index import TIER_HINT, TIER_SKIP, BlockLocation, Lookup, Unpin
 from actors.kv_store import TierSettings
 from connectors.index_client import IndexCallError, IndexClient
 from connectors.offload_worker import CpuTierWorker
@@ -111,14 +111,19 @@ class TierStats(KVConnectorStats):
 def _skips_tier(request: Request) -> bool:
     """Whether the tier has nothing to offer the request, so a lookup would only hold it for
     the index's answer: the router that sent it knows the tier holds none of its prompt's
-    blocks (TIER_HINT), or its prompt's KV is pulled from the engine that prefilled it (vLLM's
+    blocks (TIER_HINT), the request keeps the tier out of it (TIER_SKIP), or its prompt's KV is pulled from the engine that prefilled it (vLLM's
     P/D `do_remote_prefill`, which the P/D connector clears once it plans the pull, so a pull
     that fails asks the tier again). Under conditional disaggregation a decode engine loads
     from the tier, and MultiConnector admits a request only once every child has answered: a
     lookup per remote prefill held each one a step behind the index, and stalled the engine's
     running decodes while the scheduler waited for it (docs/bench-results.md, runs 85-88)."""
     params = request.kv_transfer_params or {}
-    return params.get(TIER_HINT) == 0 or bool(params.get("do_remote_prefill"))
+    return params.get(TIER_HINT) == 0 or bool(params.get("do_remote_prefill")) or _kept_out(request)
+
+
+def _kept_out(request: Request) -> bool:
+    """Whether the request keeps the tier out of it altogether (TIER_SKIP): no lookup, no save."""
+    return bool((request.kv_transfer_params or {}).get(TIER_SKIP))
 
 
 class _Pending:
@@ -240,7 +245,8 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         """Called after vLLM allocates blocks for an admitted request (twice for an async
         load). Plans the load of the looked-up locations into the new blocks."""
         req_id = request.request_id
-        self._requests[req_id] = request
+        if not _kept_out(request):  # only the requests held here have their blocks saved
+            self._requests[req_id] = request
         pending = self._lookups.pop(req_id, None)
         if num_external_tokens == 0 or pending is None or not pending.locations:
             if pending is not None:

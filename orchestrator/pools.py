@@ -64,6 +64,9 @@ PLACEMENT_TIMEOUT_S = 120.0
 DRAIN_GRACE_S = 2.0
 # A handshake pre-warm (the first NIXL handshake takes seconds) that takes longer failed.
 PREWARM_TIMEOUT_S = 120.0
+# An engine's warm-up prompt (EngineActor.warm_up, one prompt of a chat turn's size) that takes
+# longer failed: the engine is started again.
+WARM_UP_TIMEOUT_S = 120.0
 # Engine calls on the way down (vLLM's shutdown) are not waited on longer than this.
 SHUTDOWN_TIMEOUT_S = 60.0
 # A health check whose timeout fired this much later than due timed out because the pool
@@ -390,9 +393,17 @@ class PoolManager:
         self._create_actor(r)
 
     async def _join(self, r: Replica) -> str | None:
-        """Pre-warm the replica's handshakes with the healthy replicas of the other pool, check
-        its health once, and let it join routing. Returns why it could not, or None."""
+        """Warm the replica's engine up, pre-warm its handshakes with the healthy replicas of the
+        other pool, check its health once, and let it join routing. Returns why it could not,
+        or None."""
         async with self._joining:
+            try:
+                took = await asyncio.wait_for(r.handle.warm_up.remote(), WARM_UP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return f"its warm-up prompt took over {WARM_UP_TIMEOUT_S:.0f} s"
+            except RayError as err:
+                return f"its warm-up prompt failed: {_first_line(err)}"
+            logger.info("engine %s (%s) warmed up in %.2f s", r.engine_id, r.role, took)
             if self.cfg.disaggregated and self.cfg.kv_transfer.prewarm_handshakes:
                 other = "decode" if r.role == "prefill" else "prefill"
                 for peer in [p for p in self.replicas.values() if p.role == other and p.state == "healthy"]:

@@ -205,6 +205,58 @@ def test_evicted_blocks_leave_the_view(pd: Running) -> None:
     assert gone == 0, "the view still counts blocks the engine evicted"
 
 
+def test_an_engines_warm_up_leaves_no_blocks_no_counts_and_nothing_in_the_tier(pd: Running) -> None:
+    """The warm-up prompt every engine computes before it serves (EngineActor.warm_up), run
+    again on a prefill engine holding a prompt: the routers see its cache cleared, its
+    counters stay as they were, and the tier gets none of the warm-up's blocks, only the next
+    prompt's."""
+    import ray
+
+    engines = pd.deployment.routing_engines()
+    router = Router(engines, pd.deployment.cfg.routing)
+    engine = next(e for e in engines if e.role == "prefill")
+    decode = next(e for e in engines if e.role == "decode")
+    held_prompt, after_prompt = prompt(30, 320), prompt(31, 64)
+
+    def tier_blocks() -> int:
+        return sum(held for held, _ in ray.get(pd.deployment.kv_index.get_stats.remote(), timeout=60).stores.values())
+
+    async def go() -> tuple[int, int, float, int]:
+        assert router.cache is not None
+        router.cache.sync()
+
+        async def send(ids: list[int]) -> None:
+            req = EngineRequest(f"warm-{ids[0]}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+            async for _ in router.generate(req, RequestTrace(), prefill_engine=engine, decode_engine=decode):
+                pass
+
+        async def cached() -> int:
+            await asyncio.sleep(1.0)
+            return router.cache.cached_tokens(engine, router.cache.prompt(held_prompt))
+
+        await send(held_prompt)
+        held = await cached()  # and saved to the tier by now
+        tier = tier_blocks()
+        took = await engine.handle.warm_up.remote()
+        gone = await cached()
+        await send(after_prompt)
+        await asyncio.sleep(1.5)
+        await router.close()
+        return held, gone, took, tier_blocks() - tier
+
+    stats = ray.get(engine.handle.get_stats.remote(), timeout=60)
+    held, gone, took, saved = asyncio.run(asyncio.wait_for(go(), timeout=300))
+    after = ray.get(engine.handle.get_stats.remote(), timeout=60)
+    assert took > 0
+    assert held >= 256, "the view never saw the held prompt's blocks"
+    assert gone == 0, "the routers still count blocks the warm-up's cache reset dropped"
+    # The held and the following prompt are counted; the warm-up's 510 tokens and 2 generated are not.
+    computed = after.prompt_tokens_by_source["local_compute"] - stats.prompt_tokens_by_source.get("local_compute", 0)
+    assert computed == len(held_prompt) + len(after_prompt), after.prompt_tokens_by_source
+    assert after.num_generation_tokens - stats.num_generation_tokens == 2
+    assert saved == len(after_prompt) // 32, "the tier got blocks other than the following prompt's"
+
+
 def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_cache(pd: Running) -> None:
     """conditional, with the decode engine keeping no tier copy (as without the tier): chat
     B's two turns are prefilled on the decode engine (the second continues a history only it

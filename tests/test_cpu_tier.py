@@ -248,7 +248,8 @@ def test_tier_pools_default_to_the_pools_that_compute_prompts(
     assert cfg.tier_pools() == expected
 
 
-def planned_saves(save_outputs: bool, steps: list[int], num_prompt_tokens: int) -> list[list[int]]:
+def planned_saves(save_outputs: bool, steps: list[int], num_prompt_tokens: int,
+                  kv_transfer_params: dict[str, Any] | None = None) -> list[list[int]]:
     """The block ids a saving scheduler-role connector plans to save, step by step, for one
     request whose tokens' KV is computed up to each of `steps` (a fake kv cache manager
     hands out block ids 100, 101, ...; vLLM's configs faked: only the fields it reads)."""
@@ -267,7 +268,7 @@ def planned_saves(save_outputs: bool, steps: list[int], num_prompt_tokens: int) 
                                                block_pool=None))
     # vLLM hashes every full block, generated tokens' included, as the tokens arrive.
     req = SimpleNamespace(request_id="r", num_prompt_tokens=num_prompt_tokens, block_hashes=H[: total // BS],
-                          num_tokens=total, kv_transfer_params=None)
+                          num_tokens=total, kv_transfer_params=kv_transfer_params)
     conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [[]]), 0)
     planned, computed = [], 0
     for after in steps:
@@ -291,6 +292,21 @@ def test_a_saving_engine_saves_the_blocks_its_generated_tokens_fill() -> None:
     steps = [prompt, prompt + 1, 3 * BS - 1, 3 * BS, 4 * BS + 5]  # the prefill, then decode steps
     assert planned_saves(True, steps, prompt) == [[100, 101], [], [], [102], [103]]
     assert planned_saves(False, steps, prompt) == [[100, 101], [], [], [], []]
+
+
+def test_a_request_that_keeps_the_tier_out_is_neither_saved_nor_looked_up(tier_scheduler: tuple[Any, Any]) -> None:
+    """TIER_SKIP (an engine's warm-up prompt): no save planned, no lookup though the tier holds its prefix."""
+    from actors.kv_index import TIER_SKIP
+
+    prompt = 2 * BS + 10
+    assert planned_saves(True, [prompt, prompt + 1], prompt, {TIER_SKIP: True}) == [[], []]
+    conn, index = tier_scheduler
+    lookups = ray_get(index.get_stats.remote()).num_lookups
+    req = request("kept-out", H[:3], {TIER_SKIP: True})
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ray_get(index.get_stats.remote()).num_lookups == lookups
+    conn.request_finished(req, [])
 
 
 def test_clear_drops_every_block_but_keeps_stores() -> None:
