@@ -111,9 +111,9 @@ class TierStats(KVConnectorStats):
 def _skips_tier(request: Request) -> bool:
     """Whether the tier has nothing to offer the request, so a lookup would only hold it for
     the index's answer: the router that sent it knows the tier holds none of its prompt's
-    blocks (TIER_HINT), the request keeps the tier out of it (TIER_SKIP), or its prompt's KV is pulled from the engine that prefilled it (vLLM's
-    P/D `do_remote_prefill`, which the P/D connector clears once it plans the pull, so a pull
-    that fails asks the tier again). Under conditional disaggregation a decode engine loads
+    blocks (TIER_HINT), the request keeps the tier out of it (TIER_SKIP), or its prompt's KV
+    is pulled from the engine that prefilled it (vLLM's P/D `do_remote_prefill`, which the
+    P/D connector clears once it plans the pull, so a pull that fails asks the tier again). Under conditional disaggregation a decode engine loads
     from the tier, and MultiConnector admits a request only once every child has answered: a
     lookup per remote prefill held each one a step behind the index, and stalled the engine's
     running decodes while the scheduler waited for it (docs/bench-results.md, runs 85-88)."""
