@@ -113,10 +113,11 @@ def _skips_tier(request: Request) -> bool:
     the index's answer: the router that sent it knows the tier holds none of its prompt's
     blocks (TIER_HINT), the request keeps the tier out of it (TIER_SKIP), or its prompt's KV
     is pulled from the engine that prefilled it (vLLM's P/D `do_remote_prefill`, which the
-    P/D connector clears once it plans the pull, so a pull that fails asks the tier again). Under conditional disaggregation a decode engine loads
-    from the tier, and MultiConnector admits a request only once every child has answered: a
-    lookup per remote prefill held each one a step behind the index, and stalled the engine's
-    running decodes while the scheduler waited for it (docs/bench-results.md, runs 85-88)."""
+    P/D connector clears once it plans the pull, so a pull that fails asks the tier again).
+    Under conditional disaggregation a decode engine loads from the tier, and MultiConnector
+    admits a request only once every child has answered: a lookup per remote prefill held
+    each one a step behind the index, and stalled the engine's running decodes while the
+    scheduler waited for it (docs/bench-results.md, runs 85-88)."""
     params = request.kv_transfer_params or {}
     return params.get(TIER_HINT) == 0 or bool(params.get("do_remote_prefill")) or _kept_out(request)
 
