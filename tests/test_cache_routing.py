@@ -221,6 +221,18 @@ def test_an_engines_warm_up_leaves_no_blocks_no_counts_and_nothing_in_the_tier(p
     def tier_blocks() -> int:
         return sum(held for held, _ in ray.get(pd.deployment.kv_index.get_stats.remote(), timeout=60).stores.values())
 
+    async def tier_settled(at_least: int) -> int:
+        """The tier's block count once it is at least `at_least` and unchanged for a second
+        (an engine saves a request's blocks at its next step, and commits them after)."""
+        deadline = time.monotonic() + 60
+        last, since = tier_blocks(), time.monotonic()
+        while last < at_least or time.monotonic() - since < 1.0:
+            assert time.monotonic() < deadline, f"the tier never settled at {at_least}+ blocks (has {last})"
+            await asyncio.sleep(0.2)
+            if (now := tier_blocks()) != last:
+                last, since = now, time.monotonic()
+        return last
+
     async def go() -> tuple[int, int, float, int]:
         assert router.cache is not None
         router.cache.sync()
@@ -234,15 +246,16 @@ def test_an_engines_warm_up_leaves_no_blocks_no_counts_and_nothing_in_the_tier(p
             await asyncio.sleep(1.0)
             return router.cache.cached_tokens(engine, router.cache.prompt(held_prompt))
 
-        await send(held_prompt)
-        held = await cached()  # and saved to the tier by now
         tier = tier_blocks()
+        await send(held_prompt)
+        held = await cached()
+        tier = await tier_settled(tier + len(held_prompt) // 32)
         took = await engine.handle.warm_up.remote()
         gone = await cached()
         await send(after_prompt)
-        await asyncio.sleep(1.5)
+        saved = await tier_settled(tier + len(after_prompt) // 32) - tier
         await router.close()
-        return held, gone, took, tier_blocks() - tier
+        return held, gone, took, saved
 
     stats = ray.get(engine.handle.get_stats.remote(), timeout=60)
     held, gone, took, saved = asyncio.run(asyncio.wait_for(go(), timeout=300))
