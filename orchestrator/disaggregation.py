@@ -14,7 +14,11 @@ this request beyond the decode engine's part (its own queue, and the prompt toke
 that the decode engine holds): a chat whose history only the decode engine still caches
 (it prefilled the earlier turns) is not sent to compute that history again, while a prompt
 both hold alike is judged by the budget alone, and a saturated prefill pool by the same
-sum: its queue is in the tokens ahead. (A rule that went local whenever every prefill
+sum: its queue is in the tokens ahead. Engines given the same cores (two prefill replicas
+on one core of a small host) compute their prompts in turns, so each one's tokens ahead
+include the others' queues: a burst of first turns is not sent to two replicas that would
+compute it side by side on one core while the decode engine has a core of its own
+(docs/bench-results.md, run 100). (A rule that went local whenever every prefill
 replica had a few requests in flight, whatever the decode engine ran, was dropped: its count
 held requests only waiting for their KV pull, and past saturation it loaded a decode engine
 slower still, whose stalled decodes and timed-out prefills put conditional further behind
@@ -83,9 +87,10 @@ def decide(
     `routing.kv_load_cost` of a computed one, as the prefill replicas' do in
     `prefill_ahead_tokens`; `decode_outstanding`: requests in flight there;
     `decode_queued_tokens`: prompt tokens of local prefills sent to the decode engine that it
-    has not computed yet;
+    has not computed yet, and those queued on engines computing on its cores;
     `prefill_ahead_tokens`: the tokens the best prefill replica would compute before this
-    request's first token (its queue and this prompt's uncached part; None: unknown);
+    request's first token (its queue, the queues of engines computing on its cores, and this
+    prompt's uncached part; None: unknown);
     `first_from_prefill`: a remote prefill would stream this request's first token;
     `at_risk_tokens`: what a local prefill is expected to cost later, in computed tokens (a
     history it would leave where it is likely lost)."""

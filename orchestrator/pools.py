@@ -41,7 +41,7 @@ from actors.logs import setup_logging
 from actors.protocol import EngineInfo, EngineLoad, EngineRequest, Role
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.config import TandemConfig, parse_config
-from orchestrator.placement import EngineSlot, PortBases, SlotAllocator, actor_resources, placement_bundles
+from orchestrator.placement import EngineSlot, PortBases, SlotAllocator, actor_resources, binding_cores, placement_bundles
 from orchestrator.protocol import (
     DeploymentStatus,
     EngineRef,
@@ -141,7 +141,8 @@ class Replica:
         assert self.info is not None
         i = self.info
         return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed,
-                         i.node_id, self.loads_tier, i.num_blocks, i.stream_address, self.saves_tier)
+                         i.node_id, self.loads_tier, i.num_blocks, i.stream_address, self.saves_tier, i.node_ip,
+                         tuple(sorted(binding_cores(i.cpu_binding))) if i.cpu_binding else ())
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None

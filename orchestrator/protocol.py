@@ -45,6 +45,16 @@ class EngineRef(msgspec.Struct, frozen=True):
     # Whether the engine saves what it computes to the CPU tier (cpu_tier.save_from): a
     # prefix it then evicts from its own cache can be loaded back rather than computed.
     saves_tier: bool = False
+    # The host (its IP: Ray nodes of one host share its cores) and the cores its forward
+    # passes run on (its OpenMP binding; empty: unbound, or not a CPU engine). Engines whose
+    # cores overlap compute their prompts in turns, so each one's queue delays the others'.
+    node_ip: str = ""
+    compute_cores: tuple[int, ...] = ()
+
+    def shares_cores(self, other: EngineRef) -> bool:
+        """Whether `other`, another engine, computes on some of this engine's cores."""
+        return (other.engine_id != self.engine_id and other.node_ip == self.node_ip
+                and not set(self.compute_cores).isdisjoint(other.compute_cores))
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

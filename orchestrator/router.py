@@ -305,6 +305,13 @@ class RouterStats(msgspec.Struct):
     in_flight: int = 0
 
 
+def _beside(engine: EngineRef, engines: Sequence[EngineRef], queued: dict[str, float]) -> float:
+    """The prompt tokens queued on the other `engines` that compute on `engine`'s cores: they
+    take turns with its own on those cores, so they delay its next first token as its own
+    queue does (two prefill replicas given one core of a small host)."""
+    return sum(queued.get(e.engine_id, 0.0) for e in engines if engine.shares_cores(e))
+
+
 def _count(counter: dict[str, int], key: str) -> None:
     counter[key] = counter.get(key, 0) + 1
 
@@ -491,18 +498,24 @@ class Router:
         ahead: float | None = None
         picker = self.pools["prefill"]
         n = len(request.prompt_token_ids)
+        queued = self._local_queued.get(decode.engine_id, 0.0)
         if prompt is not None and self.cache is not None and self.routing.disaggregation == "conditional":
             tier = self.cache.tier_prefix(decode, prompt)
             cached = self.cache.cached_tokens(decode, prompt)
             loaded = self._tier_tokens(decode, tier, cached)
             candidates = picker.candidates()
             facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
-            ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
+            # Prompt tokens queued per engine, for those computing on an engine's cores.
+            prompts = {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)} | {decode.engine_id: queued}
+            engines = [*candidates, decode]
+            ahead = min((ahead_tokens(f, n, self.routing) + _beside(e, engines, prompts) for e, f in zip(candidates, facts)),
+                        default=None)
+            queued += _beside(decode, engines, prompts)
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, n, cached, held_up,
                                   decode_loaded_tokens=loaded,
-                                  decode_queued_tokens=self._local_queued.get(decode.engine_id, 0.0),
+                                  decode_queued_tokens=queued,
                                   prefill_ahead_tokens=ahead,
                                   first_from_prefill=forward,
                                   prompt_logprobs=request.sampling.prompt_logprobs is not None,

@@ -564,6 +564,7 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
         # The tiny model is served in float16; whether this host computes it natively is its CPU's to say.
         assert {(i.dtype, i.emulated_dtype) for i in infos.values()} == {("float16", emulates_half_precision(torch.float16))}
         omp = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
+        refs = {e.engine_id: e for e in up.deployment.engines}  # what the routers are given
         confined = ray_threads()
         before = {eid: engine_threads(info.pid) for eid, info in infos.items()}
         out = openai.OpenAI(base_url=up.url, api_key="unused", max_retries=0, timeout=60).completions.create(
@@ -587,6 +588,10 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
         confined_after_restart = ray_threads()
     after = ray_threads()
     check_prewarmed_and_placed(moved, infos, before)
+    # The routers know each engine's host and compute cores, to weigh the queues that share them.
+    assert {eid: (r.node_ip, set(r.compute_cores)) for eid, r in refs.items()} == {
+        eid: (info.node_ip, omp[eid]) for eid, info in infos.items()}
+    assert not refs["prefill-0"].shares_cores(refs["decode-0"])
     assert out.choices[0].text and out.usage.completion_tokens == 4
     expected = (node - omp["prefill-0"] - omp["decode-0"]) or (node - omp["decode-0"])
     if len(node) == 2:

@@ -491,9 +491,9 @@ class CachingEngine(FakeEngineBase):
         self.abort = _Method(lambda rid, kv_params=None: _done(None))
         self.cache_updates = _Method(self._cache_updates)
 
-    def ref(self, role: str) -> EngineRef:
+    def ref(self, role: str, cores: tuple[int, ...] = (), node_ip: str = "10.0.0.1") -> EngineRef:
         return EngineRef(self.name, role, self, "i0", BLOCK, "sha256", SEED,  # type: ignore[arg-type]
-                         stream_address=self.address)
+                         stream_address=self.address, node_ip=node_ip, compute_cores=cores)
 
     async def _cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0) -> CacheUpdate:
         if version == 1:
@@ -652,6 +652,31 @@ def test_conditional_counts_the_local_prefills_queued_on_the_decode_engine(budge
     made = {k: v for k, v in router.stats.decisions.items() if v}
     assert made == dict(Counter(["local:short_uncached", second, "local:short_uncached"]))
     assert router._local_queued == {}
+
+
+@pytest.mark.parametrize(("p1_cores", "p1_ip", "expect"), [
+    ((0,), "10.0.0.1", "local:short_uncached"),  # one core for both replicas: 40 + 95 ahead there
+    ((2,), "10.0.0.1", "remote:prefill_sooner"),  # a core of its own: 40 ahead on p1
+    ((0,), "10.0.0.2", "remote:prefill_sooner"),  # core 0 of another host
+])
+def test_conditional_counts_the_prompts_queued_on_a_prefill_replicas_cores(
+        p1_cores: tuple[int, ...], p1_ip: str, expect: str) -> None:
+    """Two prefill replicas given one core compute their prompts in turns: a replica with an
+    empty queue still waits for its neighbour's. The decode engine, on a core of its own,
+    would reach the first token sooner (the short chats' burst of first turns, run 100)."""
+    p0, p1 = CachingEngine("p0", [SYSTEM]), CachingEngine("p1", [SYSTEM])
+    decode = CachingEngine("d", [SYSTEM[: 4 * BLOCK]])
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", local_prefill_max_tokens=200,
+                        first_token="prefill")
+    refs = [p0.ref("prefill", (0,)), p1.ref("prefill", p1_cores, p1_ip), decode.ref("decode", (1,))]
+    router = Router(refs, cfg)
+    router.pools["prefill"].acquire(refs[0], 95.0)  # a remote prefill of 95 tokens in flight on p0
+    trace = RequestTrace()
+    # The decode engine computes 4 x 16 + 40 = 104 tokens; p1 the 40 new ones, after p0's 95 if they share a core.
+    serve_one(router, SYSTEM + list(range(40)), trace)
+    assert {k: v for k, v in router.stats.decisions.items() if v} == {expect: 1}
+    assert trace.disaggregation == expect.split(":")[0]
+    assert len(decode.requests) == 1 and len(p0.requests) + len(p1.requests) == (expect.startswith("remote"))
 
 
 def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
