@@ -170,8 +170,7 @@ def control_cores(cores: list[int], engines: list[tuple[str, str | None]]) -> li
     return None
 
 
-def process_cores(role: Role, mine: list[int], tp: int, prefill_cores: list[list[int]],
-                  decode_prefills: bool) -> list[int] | None:
+def process_cores(role: Role, mine: list[int], tp: int, prefill_cores: list[list[int]]) -> list[int] | None:
     """Where an engine runs its processes apart from its compute threads (None: on `mine`).
 
     An engine with a core to spare runs them there (`omp_binding` leaves it out of OpenMP).
@@ -180,15 +179,9 @@ def process_cores(role: Role, mine: list[int], tp: int, prefill_cores: list[list
     scheduling loop, the actor's vLLM front end and NIXL would otherwise preempt each step's
     forward pass, while a prefill engine computes in bursts. A plain vLLM server likewise
     runs its forward pass on a core of its own (docs/performance.md, "Where a decode
-    engine's other threads run"). Not a decode engine that computes prompts too
-    (`decode_prefills`: it keeps apart, `keeps_apart`): the prefill engines' cores then also
-    carry Ray's processes and the ingress (`control_cores`), and every remote prefill, the
-    longest prompts, waited there to be scheduled. With the decode engine's threads on its
-    own core, conditional's pooled TTFT p99 on short chats was 0.94x of always's in one run
-    of three rounds (1.02x and 1.06x before) and its TPOT level (0.93-0.95x before;
-    docs/bench-results.md, runs 101-105).
+    engine's other threads run").
     """
-    if role != "decode" or len(mine) > tp or decode_prefills:
+    if role != "decode" or len(mine) > tp:
         return None
     theirs = sorted({c for cores in prefill_cores for c in cores} - set(mine))
     return theirs or None
@@ -224,18 +217,18 @@ def assign_slots(
     for i, nid in enumerate(replica_nodes):
         side, stream = ports.slot_ports(per_ip[facts[nid].node_ip].index(i))
         prefills = [shares[j] or [] for j in per_node[nid] if roles[j] == "prefill"]
-        slots.append(_slot(facts[nid], side, stream, roles[i], tp_sizes[i], shares[i], prefills, decode_prefills))
+        slots.append(_slot(facts[nid], side, stream, roles[i], tp_sizes[i], shares[i], prefills))
     return slots
 
 
 def _slot(f: NodeFacts, side: int, stream: int | None, role: Role, tp: int, mine: list[int] | None,
-          prefill_cores: list[list[int]], decode_prefills: bool) -> EngineSlot:
+          prefill_cores: list[list[int]]) -> EngineSlot:
     """An engine's slot on node `f` with cores `mine` (None: unbound), beside prefill engines
     holding `prefill_cores` there."""
     if mine is None:
         return EngineSlot(f.node_id, f.node_ip, f.model_path, side, None, None, stream)
     return EngineSlot(f.node_id, f.node_ip, f.model_path, side, omp_binding(mine, tp), mine, stream,
-                      process_cores(role, mine, tp, prefill_cores, decode_prefills))
+                      process_cores(role, mine, tp, prefill_cores))
 
 
 class SlotAllocator:
@@ -270,7 +263,7 @@ class SlotAllocator:
         side, stream = self.ports.slot_ports(next(k for k in itertools.count() if k not in used))
         live = [(keeps_apart(r, self.decode_prefills), s.cores or []) for r, s in here]
         mine = least_used_cores(f.cores, live, keeps_apart(role, self.decode_prefills)) if self.bind_cores else None
-        slot = _slot(f, side, stream, role, tp, mine, [s.cores or [] for r, s in here if r == "prefill"], self.decode_prefills)
+        slot = _slot(f, side, stream, role, tp, mine, [s.cores or [] for r, s in here if r == "prefill"])
         self._live.append((role, slot))
         return slot
 
