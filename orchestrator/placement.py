@@ -98,36 +98,18 @@ def _share(items: list[int], parts: int, i: int) -> list[int]:
     return items[i * per : (i + 1) * per] if per else [items[i % len(items)]]
 
 
-def keeps_apart(role: Role, decode_prefills: bool) -> bool:
-    """Whether an engine in `role` keeps to cores of its own kind where engines outnumber
-    cores: a decode engine that also computes prompts (`decode_prefills`: conditional or
-    never disaggregation). Most prompts are then computed on it, the short ones the decider
-    keeps local, and a prefill replica on its core would compute another prompt at the same
-    moment, both at half speed; the decider, counting tokens per engine, cannot see that.
-    Where only prefill engines compute prompts, spreading them over every core lets two run
-    side by side: on short chats under `always`, keeping the decode engine apart instead put
-    TTFT p99 up 41% for 20% less TPOT (docs/bench-results.md, "Prefill engines apart from a
-    decode engine that prefills")."""
-    return decode_prefills and role == "decode"
-
-
-def engine_cores(cores: list[int], apart: list[bool], index: int) -> list[int]:
-    """The cores of engine `index` of the engines sharing one node's `cores`.
-
-    Disjoint contiguous slices while there are enough cores, else shared round robin, except
-    that engines flagged in `apart` (`keeps_apart`) then share cores only with one another:
-    where there are two cores or more, each kind gets its own, in proportion to its engines
-    (at least one).
-    """
-    n = len(apart)
-    own = [i for i, a in enumerate(apart) if a]
-    rest = [i for i, a in enumerate(apart) if not a]
-    if len(cores) >= n or len(cores) < 2 or not own or not rest:
-        return _share(cores, n, index)
-    theirs = min(len(cores) - 1, -(-len(cores) * len(own) // n))
-    if apart[index]:
-        return _share(cores[len(cores) - theirs :], len(own), own.index(index))
-    return _share(cores[: len(cores) - theirs], len(rest), rest.index(index))
+def engine_cores(cores: list[int], num_engines: int, index: int) -> list[int]:
+    """The cores of engine `index` of `num_engines` sharing `cores`: disjoint contiguous
+    slices while there are enough cores, shared round robin otherwise, whatever the roles
+    and the disaggregation mode. Spread so, two prompts arriving together compute side by
+    side, and a conditional deployment's remote prefills run where an always-disaggregating
+    one's do; the decider sees a shared core through the prompts queued on the engines
+    sharing it (`EngineRef.shares_cores`). Keeping a decode engine that prefills apart from
+    the replicas (2026-12-04/05) crowded the replicas onto the other cores: on long chats,
+    where most prompts go remote, conditional was then 1.09x always at TTFT p50; spread, it
+    is level there and on short chats at p99 (docs/bench-results.md, "Conditional placed as
+    always")."""
+    return _share(cores, num_engines, index)
 
 
 def omp_binding(mine: list[int], tp: int) -> str:
@@ -194,15 +176,13 @@ def assign_slots(
     ports: PortBases,
     bind_cores: bool,
     facts: dict[str, NodeFacts],
-    decode_prefills: bool,
 ) -> list[EngineSlot]:
     """Give every engine distinct ports on its host and its own cores.
 
     `replica_nodes[i]` is the node engine i (in `roles[i]`) was placed on. Ports are counted
     per node IP, not per Ray node, so several Ray nodes on one host (ray.cluster_utils.Cluster,
     or raylets sharing a machine) never hand out the same port twice. Cores are split among
-    the engines of each Ray node, which is what its affinity mask covers; `decode_prefills`:
-    whether decode engines compute prompts too (`keeps_apart`).
+    the engines of each Ray node, which is what its affinity mask covers.
     """
     per_node: dict[str, list[int]] = defaultdict(list)
     per_ip: dict[str, list[int]] = defaultdict(list)
@@ -211,8 +191,7 @@ def assign_slots(
         per_ip[facts[nid].node_ip].append(i)
     shares: list[list[int] | None] = []
     for i, nid in enumerate(replica_nodes):
-        apart = [keeps_apart(roles[j], decode_prefills) for j in per_node[nid]]
-        shares.append(engine_cores(facts[nid].cores, apart, per_node[nid].index(i)) if bind_cores else None)
+        shares.append(engine_cores(facts[nid].cores, len(per_node[nid]), per_node[nid].index(i)) if bind_cores else None)
     slots: list[EngineSlot] = []
     for i, nid in enumerate(replica_nodes):
         side, stream = ports.slot_ports(per_ip[facts[nid].node_ip].index(i))
@@ -241,17 +220,16 @@ class SlotAllocator:
     more, taken from its least used cores, since live engines keep their binding.
     """
 
-    def __init__(self, ports: PortBases, bind_cores: bool, model_source: str, decode_prefills: bool) -> None:
+    def __init__(self, ports: PortBases, bind_cores: bool, model_source: str) -> None:
         self.ports = ports
         self.bind_cores = bind_cores
         self.model_source = model_source
-        self.decode_prefills = decode_prefills
         self._facts: dict[str, NodeFacts] = {}
         self._live: list[tuple[Role, EngineSlot]] = []
 
     async def place_all(self, replica_nodes: list[str], roles: list[Role], tp_sizes: list[int]) -> list[EngineSlot]:
         await self._probe(set(replica_nodes))
-        slots = assign_slots(replica_nodes, roles, tp_sizes, self.ports, self.bind_cores, self._facts, self.decode_prefills)
+        slots = assign_slots(replica_nodes, roles, tp_sizes, self.ports, self.bind_cores, self._facts)
         self._live.extend(zip(roles, slots))
         return slots
 
@@ -261,8 +239,7 @@ class SlotAllocator:
         here = [(r, s) for r, s in self._live if s.node_id == node_id]
         used = {s.side_channel_port - self.ports.side_channel for _, s in self._live if s.node_ip == f.node_ip}
         side, stream = self.ports.slot_ports(next(k for k in itertools.count() if k not in used))
-        live = [(keeps_apart(r, self.decode_prefills), s.cores or []) for r, s in here]
-        mine = least_used_cores(f.cores, live, keeps_apart(role, self.decode_prefills)) if self.bind_cores else None
+        mine = least_used_cores(f.cores, [s.cores or [] for _, s in here]) if self.bind_cores else None
         slot = _slot(f, side, stream, role, tp, mine, [s.cores or [] for r, s in here if r == "prefill"])
         self._live.append((role, slot))
         return slot
@@ -275,15 +252,12 @@ class SlotAllocator:
             self._facts.update(await node_facts(new, self.model_source))
 
 
-def least_used_cores(cores: list[int], live: list[tuple[bool, list[int]]], apart: bool) -> list[int]:
-    """The cores of one more engine on a node whose live engines hold `live` (each with its
-    `keeps_apart` flag, as is the new engine's `apart`): an even share of the node (as if it
-    had len(live) + 1 engines), in order, taken first from cores no engine of the other kind
-    computes on (as `engine_cores` keeps them), then from the least used."""
+def least_used_cores(cores: list[int], live: list[list[int]]) -> list[int]:
+    """The cores of one more engine on a node whose live engines hold `live`: an even share
+    of the node (as if it had len(live) + 1 engines), the least used cores first, in order."""
     share = max(1, len(cores) // (len(live) + 1))
-    use = Counter(c for _, held in live for c in held)
-    other = Counter(c for a, held in live if a != apart for c in held)
-    return sorted(sorted(cores, key=lambda c: (other[c], use[c], c))[:share])
+    use = Counter(c for held in live for c in held)
+    return sorted(sorted(cores, key=lambda c: (use[c], c))[:share])
 
 
 def placement_bundles(pool: PoolConfig, device: str) -> list[dict[str, float]]:

@@ -177,7 +177,6 @@ class PoolManager:
             PortBases(self.cfg.kv_transfer.side_channel_base_port, self.cfg.serve.token_path_base_port),
             bind_cores=self.cfg.device == "cpu" and self.cfg.cpu.bind_cores == "auto",
             model_source=self.cfg.model.source,
-            decode_prefills="decode" in self.cfg.prefilling_pools(),
         )
         self.replicas: dict[str, Replica] = {}
         self._next_index: dict[str, int] = {role: 0 for role in self.cfg.pools}

@@ -43,7 +43,7 @@ from benchmarks.scenarios import vllm_server_env
 from orchestrator.specs import dtype_warning, engine_env, kv_transfer_for, niceness_warning
 from orchestrator.metrics import TandemMetrics
 from actors.affinity import node_cores
-from orchestrator.placement import EngineSlot, binding_cores, engine_cores, keeps_apart, omp_binding
+from orchestrator.placement import EngineSlot, binding_cores, engine_cores, omp_binding
 
 PD = {"prefill": {}, "decode": {}}
 # The process that runs a one-rank CPU engine's forward pass: vLLM's engine core itself.
@@ -263,13 +263,13 @@ def test_the_plain_vllm_server_gets_the_openmp_cores_of_a_colocated_engine(monke
 
 
 def test_two_engines_on_two_cores_get_one_core_each() -> None:
-    assert [engine_cores([0, 1], [False, False], i) for i in range(2)] == [[0], [1]]
-    assert [omp_binding(engine_cores([0, 1], [False, False], i), 1) for i in range(2)] == ["0", "1"]
+    assert [engine_cores([0, 1], 2, i) for i in range(2)] == [[0], [1]]
+    assert [omp_binding(engine_cores([0, 1], 2, i), 1) for i in range(2)] == ["0", "1"]
 
 
 def test_an_engine_with_several_cores_leaves_its_last_core_out_of_openmp() -> None:
     assert omp_binding([0, 1], 1) == "0"
-    assert [omp_binding(engine_cores(list(range(8)), [False, False], i), 1) for i in range(2)] == ["0,1,2", "4,5,6"]
+    assert [omp_binding(engine_cores(list(range(8)), 2, i), 1) for i in range(2)] == ["0,1,2", "4,5,6"]
 
 
 def test_no_core_is_held_back_when_tp_ranks_need_them_all() -> None:
@@ -279,30 +279,7 @@ def test_no_core_is_held_back_when_tp_ranks_need_them_all() -> None:
 
 
 def test_more_engines_than_cores_share_round_robin() -> None:
-    """Where only prefill engines compute prompts, they are spread over every core."""
-    always = [keeps_apart(r, decode_prefills=False) for r in ("prefill", "prefill", "decode")]
-    assert [engine_cores([0, 1], always, i) for i in range(3)] == [[0], [1], [0]]
-    assert [engine_cores([0, 1], [False] * 3, i) for i in range(3)] == [[0], [1], [0]]
-
-
-def test_a_decode_engine_that_prefills_keeps_apart_from_the_prefill_engines() -> None:
-    """Under conditional disaggregation the decode engine computes most prompts: a prefill
-    replica on its core would compute another at the same moment, so where engines must
-    share, each kind shares with its own, on cores in proportion to its engines."""
-    def place(cores: list[int], roles: list[str]) -> list[list[int]]:
-        apart = [keeps_apart(r, decode_prefills=True) for r in roles]  # type: ignore[arg-type]
-        return [engine_cores(cores, apart, i) for i in range(len(roles))]
-
-    assert place([0, 1], ["prefill", "prefill", "decode"]) == [[0], [0], [1]]
-    assert place([0, 1], ["prefill"] * 3 + ["decode"]) == [[0], [0], [0], [1]]
-    assert place([0, 1, 2], ["prefill"] * 3 + ["decode"]) == [[0], [1], [0], [2]]
-    assert place([0, 1, 2], ["prefill", "prefill", "decode", "decode"]) == [[0], [0], [1], [2]]
-    assert place([0, 1], ["decode", "prefill", "prefill"]) == [[1], [0], [0]]  # roles, not order
-    # Enough cores, one core, or one kind only: as before.
-    assert place([0, 1], ["prefill", "decode"]) == [[0], [1]]
-    assert place([0], ["prefill", "decode"]) == [[0], [0]]
-    assert place([0, 1], ["decode"] * 3) == [[0], [1], [0]]
-    assert not keeps_apart("prefill", decode_prefills=True) and not keeps_apart("both", decode_prefills=True)
+    assert [engine_cores([0, 1], 3, i) for i in range(3)] == [[0], [1], [0]]
 
 
 # --- per-request transfer records and the slow-transfer check -----------------------------

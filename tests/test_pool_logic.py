@@ -13,7 +13,6 @@ import pytest
 
 from actors.affinity import NODE_CORES_ENV, node_cores, parse_cores
 from actors.load import LoadMeter
-from actors.protocol import Role
 from orchestrator.autoscale import ScaleDecider
 from orchestrator.cluster import join_ray, serves_actor
 from orchestrator.config import AutoscalingConfig, ConfigError, PoolConfig, parse_config
@@ -153,31 +152,21 @@ def test_cpu_replicas_keep_one_bundle_whatever_their_tp() -> None:
 
 def test_an_added_engine_takes_an_even_share_of_the_least_used_cores() -> None:
     cores = list(range(8))
-    assert least_used_cores(cores, [], False) == cores
-    assert least_used_cores(cores, [(False, cores)], False) == [0, 1, 2, 3]
-    assert least_used_cores(cores, [(False, [0, 1, 2, 3]), (False, [4, 5, 6, 7])], False) == [0, 1]
-    assert least_used_cores(cores, [(False, [0, 1, 2, 3])], False) == [4, 5, 6, 7]  # a removed engine's cores are reused
-    assert least_used_cores([0, 1], [(False, [0]), (False, [1])], False) == [0]  # more engines than cores: shared
-
-
-def test_an_added_engine_that_keeps_apart_shares_a_core_with_its_own_kind() -> None:
-    """As `engine_cores` places the first replicas: under conditional disaggregation a
-    prefill engine joins the prefill engines' core and a decode engine the decode engine's,
-    even where the other kind's core is less used."""
-    live = [(False, [0]), (False, [0]), (True, [1])]
-    assert least_used_cores([0, 1], live, False) == [0]
-    assert least_used_cores([0, 1], live, True) == [1]
-    assert least_used_cores([0, 1], [(False, [0]), (True, [1])], True) == [1]
+    assert least_used_cores(cores, []) == cores
+    assert least_used_cores(cores, [[0, 1, 2, 3, 4, 5, 6, 7]]) == [0, 1, 2, 3]
+    assert least_used_cores(cores, [[0, 1, 2, 3], [4, 5, 6, 7]]) == [0, 1]
+    assert least_used_cores(cores, [[0, 1, 2, 3]]) == [4, 5, 6, 7]  # a removed engine's cores are reused
+    assert least_used_cores([0, 1], [[0], [1]]) == [0]  # more engines than cores: shared
 
 
 def test_engines_sharing_a_host_take_consecutive_ports_of_each_kind() -> None:
     """Two Ray nodes on one host (as ray.cluster_utils.Cluster starts them) count as one host."""
     facts = {"a": NodeFacts("a", "10.0.0.1", [0, 1], "/m"), "b": NodeFacts("b", "10.0.0.1", [0, 1], "/m"),
              "c": NodeFacts("c", "10.0.0.2", [0, 1], "/m")}
-    slots = assign_slots(["a", "b", "c", "a"], ["prefill", "decode", "decode", "decode"], [1, 1, 1, 1], PortBases(5600, 7000), False, facts, decode_prefills=False)
+    slots = assign_slots(["a", "b", "c", "a"], ["prefill", "decode", "decode", "decode"], [1, 1, 1, 1], PortBases(5600, 7000), False, facts)
     assert [(s.node_ip, s.side_channel_port, s.stream_port) for s in slots] == [
         ("10.0.0.1", 5600, 7000), ("10.0.0.1", 5601, 7001), ("10.0.0.2", 5600, 7000), ("10.0.0.1", 5602, 7002)]
-    assert {s.stream_port for s in assign_slots(["a", "c"], ["prefill", "decode"], [1, 1], PortBases(5600), False, facts, decode_prefills=False)} == {None}
+    assert {s.stream_port for s in assign_slots(["a", "c"], ["prefill", "decode"], [1, 1], PortBases(5600), False, facts)} == {None}
 
 
 def test_a_decode_engine_with_no_core_to_spare_runs_its_other_threads_on_the_prefill_engines_cores() -> None:
@@ -185,31 +174,28 @@ def test_a_decode_engine_with_no_core_to_spare_runs_its_other_threads_on_the_pre
     keeps its core to itself (docs/performance.md, "Where a decode engine's other threads
     run"); engines with a core to spare keep everything on their own cores."""
     two = {"n": NodeFacts("n", "10.0.0.1", [0, 1], "/m")}
-    prefill, decode = assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), True, two, decode_prefills=False)
+    prefill, decode = assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), True, two)
     assert (prefill.cores, prefill.cpu_binding, prefill.pinned_to) == ([0], "0", [0])
     assert (decode.cores, decode.cpu_binding, decode.pinned_to) == ([1], "1", [0])
     eight = {"n": NodeFacts("n", "10.0.0.1", list(range(8)), "/m")}
-    prefill, decode = assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), True, eight, decode_prefills=False)
+    prefill, decode = assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), True, eight)
     assert (decode.cores, decode.cpu_binding, decode.pinned_to) == ([4, 5, 6, 7], "4,5,6", [4, 5, 6, 7])
     # TP ranks taking every core, and several prefill engines: all the prefill engines' cores.
     six = {"n": NodeFacts("n", "10.0.0.1", list(range(6)), "/m")}
-    slots = assign_slots(["n", "n", "n"], ["prefill", "decode", "prefill"], [1, 2, 1], PortBases(5600), True, six, decode_prefills=False)
+    slots = assign_slots(["n", "n", "n"], ["prefill", "decode", "prefill"], [1, 2, 1], PortBases(5600), True, six)
     assert [(s.cpu_binding, s.pinned_to) for s in slots] == [("0", [0, 1]), ("2|3", [0, 1, 4, 5]), ("4", [4, 5])]
     # No prefill engine on the node (or colocated engines): nowhere else to go.
     four = {"n": NodeFacts("n", "10.0.0.1", [0, 1, 2, 3], "/m")}
-    (decode,) = assign_slots(["n"], ["decode"], [4], PortBases(5600), True, four, decode_prefills=False)
+    (decode,) = assign_slots(["n"], ["decode"], [4], PortBases(5600), True, four)
     assert decode.pinned_to == [0, 1, 2, 3] and decode.process_cores is None
-    both = assign_slots(["n", "n"], ["both", "both"], [1, 1], PortBases(5600), True, two, decode_prefills=False)
+    both = assign_slots(["n", "n"], ["both", "both"], [1, 1], PortBases(5600), True, two)
     assert [s.pinned_to for s in both] == [[0], [1]]
     # Unbound engines stay unbound.
-    assert assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), False, two, decode_prefills=False)[1].pinned_to is None
-    # 2P1D on two cores: the decode engine shares a core with a prefill engine, unless it
-    # prefills too (conditional); then it computes alone and runs the rest beside both.
-    roles: list[Role] = ["prefill", "prefill", "decode"]
-    always = assign_slots(["n"] * 3, roles, [1] * 3, PortBases(5600), True, two, decode_prefills=False)
-    assert [s.cores for s in always] == [[0], [1], [0]]
-    conditional = assign_slots(["n"] * 3, roles, [1] * 3, PortBases(5600), True, two, decode_prefills=True)
-    assert [(s.cores, s.pinned_to) for s in conditional] == [([0], [0]), ([0], [0]), ([1], [0])]
+    assert assign_slots(["n", "n"], ["prefill", "decode"], [1, 1], PortBases(5600), False, two)[1].pinned_to is None
+    # 2P1D on two cores, whatever the disaggregation mode: the replicas spread over both
+    # cores, the decode engine computing beside the first and running the rest on the other.
+    slots = assign_slots(["n"] * 3, ["prefill", "prefill", "decode"], [1] * 3, PortBases(5600), True, two)
+    assert [(s.cores, s.pinned_to) for s in slots] == [([0], [0]), ([1], [1]), ([0], [1])]
 
 
 def test_rays_own_processes_go_where_no_engine_computes_else_beside_the_prefill_engines() -> None:
@@ -259,27 +245,19 @@ def test_engine_workers_are_known_by_rays_process_titles_even_while_a_named_one_
         assert not serves_actor(Proc(*title), engine), title  # type: ignore[arg-type]
 
 
-async def _add_to_1p1d_on_4_cores(decode_prefills: bool) -> tuple[EngineSlot, EngineSlot]:
-    """A decode engine added to a 1P1D on 4 cores, then (that one gone) a prefill engine."""
-    allocator = SlotAllocator(PortBases(5600), True, "/m", decode_prefills=decode_prefills)
-    allocator._facts = {"n": NodeFacts("n", "10.0.0.1", [0, 1, 2, 3], "/m")}  # probed already
-    prefill, decode = await allocator.place_all(["n", "n"], ["prefill", "decode"], [1, 1])
-    assert (prefill.cpu_binding, decode.cpu_binding, decode.process_cores) == ("0", "2", None)
-    more = await allocator.place_one("n", "decode", 1)  # a third engine: one core
-    allocator.release(more)
-    return more, await allocator.place_one("n", "prefill", 1)
-
-
 def test_a_decode_engine_added_later_also_leaves_its_core_to_its_forward_pass() -> None:
-    more, instead = asyncio.run(_add_to_1p1d_on_4_cores(decode_prefills=False))
-    assert (more.cores, more.cpu_binding, more.pinned_to) == ([0], "0", [1])  # the least used
+    async def place() -> tuple[EngineSlot, EngineSlot]:
+        allocator = SlotAllocator(PortBases(5600), True, "/m")
+        allocator._facts = {"n": NodeFacts("n", "10.0.0.1", [0, 1, 2, 3], "/m")}  # probed already
+        prefill, decode = await allocator.place_all(["n", "n"], ["prefill", "decode"], [1, 1])
+        assert (prefill.cpu_binding, decode.cpu_binding, decode.process_cores) == ("0", "2", None)
+        more = await allocator.place_one("n", "decode", 1)  # a third engine: one core, the least used
+        allocator.release(more)
+        return more, await allocator.place_one("n", "prefill", 1)
+
+    more, instead = asyncio.run(place())
+    assert (more.cores, more.cpu_binding, more.pinned_to) == ([0], "0", [1])
     assert instead == msgspec.structs.replace(more, process_cores=None)  # a prefill engine keeps to its core
-
-
-def test_a_decode_engine_that_prefills_added_later_joins_the_decode_engines_core() -> None:
-    more, instead = asyncio.run(_add_to_1p1d_on_4_cores(decode_prefills=True))
-    assert (more.cores, more.cpu_binding, more.pinned_to) == ([2], "2", [0, 1])
-    assert (instead.cores, instead.cpu_binding, instead.pinned_to) == ([0], "0", [0])
 
 
 def test_engine_port_ranges_may_not_overlap() -> None:
