@@ -14,11 +14,11 @@ this request beyond the decode engine's part (its own queue, and the prompt toke
 that the decode engine holds): a chat whose history only the decode engine still caches
 (it prefilled the earlier turns) is not sent to compute that history again, while a prompt
 both hold alike is judged by the budget alone, and a saturated prefill pool by the same
-sum: its queue is in the tokens ahead. Engines given the same cores (two prefill replicas
-on one core of a small host) compute their prompts in turns, so each one's tokens ahead
-include the others' queues: a burst of first turns is not sent to two replicas that would
-compute it side by side on one core while the decode engine has a core of its own
-(docs/bench-results.md, run 100). (A rule that went local whenever every prefill
+sum: its queue is in the tokens ahead. Engines given the same cores (three or four engines
+on a 2-core host) compute their prompts in turns, so each one's tokens ahead include the
+others' queues: a burst of turns is not sent to two engines that would compute it side by
+side on one core while another core has less to do (docs/bench-results.md, runs 100-102
+and 111-112). (A rule that went local whenever every prefill
 replica had a few requests in flight, whatever the decode engine ran, was dropped: its count
 held requests only waiting for their KV pull, and past saturation it loaded a decode engine
 slower still, whose stalled decodes and timed-out prefills put conditional further behind

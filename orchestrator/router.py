@@ -308,7 +308,7 @@ class RouterStats(msgspec.Struct):
 def _beside(engine: EngineRef, engines: Sequence[EngineRef], queued: dict[str, float]) -> float:
     """The prompt tokens queued on the other `engines` that compute on `engine`'s cores: they
     take turns with its own on those cores, so they delay its next first token as its own
-    queue does (two prefill replicas given one core of a small host)."""
+    queue does (three engines given two cores of a small host)."""
     return sum(queued.get(e.engine_id, 0.0) for e in engines if engine.shares_cores(e))
 
 
