@@ -411,9 +411,24 @@ class Router:
             roomiest = max((r for r in rooms if r is not None), default=0)
             facts = [self._facts(e, picker, prompt, tier, c, 0.0 if room is None else float(roomiest - room))
                      for e, c, room in zip(candidates, cached, rooms)]
+            if candidates[0].role != "decode":  # a decode replica's queue is the KV it holds, not prompts
+                engines, queued = self._core_queues(candidates, facts)
+                facts = [msgspec.structs.replace(f, queued_tokens=f.queued_tokens + _beside(e, engines, queued))
+                         for e, f in zip(candidates, facts)]
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
         return engine
+
+    def _core_queues(self, candidates: Sequence[EngineRef],
+                     facts: Sequence[EngineFacts]) -> tuple[list[EngineRef], dict[str, float]]:
+        """The engines that compute prompts now, with the prompt tokens queued on each, for
+        `_beside`: the candidate prefill (or colocated) engines' queues (their `facts`) and the
+        decode engines' local prefills. The prefill pick and the disaggregation decider count
+        the same ones, so a remote prefill that the decider sent off because a replica with a
+        core of its own would answer sooner goes to that replica, not to the one taking turns
+        with the decode engine's local prefill (docs/bench-results.md, runs 113-118)."""
+        decode = self.pools["decode"].engines if self.disaggregated else []
+        return [*candidates, *decode], self._local_queued | {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)}
 
     def _claim(self, engine: EngineRef, prompt: PromptKeys | None) -> float:
         """The request goes to `engine`: returns its weight in the engine's queue for
@@ -505,9 +520,7 @@ class Router:
             loaded = self._tier_tokens(decode, tier, cached)
             candidates = picker.candidates()
             facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
-            # Prompt tokens queued per engine, for those computing on an engine's cores.
-            prompts = {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)} | {decode.engine_id: queued}
-            engines = [*candidates, decode]
+            engines, prompts = self._core_queues(candidates, facts)
             ahead = min((ahead_tokens(f, n, self.routing) + _beside(e, engines, prompts) for e, f in zip(candidates, facts)),
                         default=None)
             queued += _beside(decode, engines, prompts)

@@ -679,6 +679,43 @@ def test_conditional_counts_the_prompts_queued_on_a_prefill_replicas_cores(
     assert len(decode.requests) == 1 and len(p0.requests) + len(p1.requests) == (expect.startswith("remote"))
 
 
+def test_a_remote_prefill_goes_to_the_replica_that_does_not_share_the_local_prefills_core() -> None:
+    """Bursts of two short prompts on a 2-core host (2P1D, the decode engine on p0's core):
+    the first of each is prefilled on the decode engine; the decider sends the second remote
+    because p1, on a core of its own, would reach its first token sooner, and the prefill pick
+    counts the same queues, so it goes to p1: on p0 it would take turns with the local prefill
+    (the 64-token prompts' slowest requests, docs/bench-results.md run 115)."""
+    p0, p1, decode = CachingEngine("p0"), CachingEngine("p1"), GatedEngine("d")
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", first_token="prefill")
+    router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,))], cfg)
+    traces: list[RequestTrace] = []
+
+    async def one(start: int) -> None:
+        traces.append(trace := RequestTrace())
+        req = EngineRequest(f"r{start}", list(range(start, start + 4 * BLOCK)), SamplingParams(max_tokens=1))
+        async for _ in router.generate(req, trace):
+            pass
+
+    async def go() -> None:
+        assert router.cache is not None
+        router.cache.sync()
+        await asyncio.sleep(0.05)
+        for burst in range(4):
+            decode.gate.clear()
+            first = asyncio.create_task(one(10_000 * burst))
+            await asyncio.sleep(0.02)
+            await one(10_000 * burst + 5_000)  # the local prefill still to compute on core 0
+            decode.gate.set()
+            await first
+        await router.close()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=10))
+    assert [t.disaggregation for t in traces] == ["local", "remote"] * 4
+    assert router.stats.decisions["remote:prefill_sooner"] == 4
+    assert len(p1.requests) == 4 and not p0.requests
+    assert router._local_queued == {}
+
+
 def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
     """A decode replica pulls what it lacks over NIXL (cheap, kv_load_cost), so the prefix it
     holds only decides between replicas holding alike; the KV its running requests hold (read
