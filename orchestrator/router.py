@@ -426,7 +426,7 @@ class Router:
         decode engines' local prefills. The prefill pick and the disaggregation decider count
         the same ones, so a remote prefill that the decider sent off because a replica with a
         core of its own would answer sooner goes to that replica, not to the one taking turns
-        with the decode engine's local prefill (docs/bench-results.md, runs 113-118)."""
+        with the decode engine's local prefill (docs/bench-results.md, runs 115-117)."""
         decode = self.pools["decode"].engines if self.disaggregated else []
         return [*candidates, *decode], self._local_queued | {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)}
 
