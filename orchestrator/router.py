@@ -412,23 +412,29 @@ class Router:
             facts = [self._facts(e, picker, prompt, tier, c, 0.0 if room is None else float(roomiest - room))
                      for e, c, room in zip(candidates, cached, rooms)]
             if candidates[0].role != "decode":  # a decode replica's queue is the KV it holds, not prompts
-                engines, queued = self._core_queues(candidates, facts)
-                facts = [msgspec.structs.replace(f, queued_tokens=f.queued_tokens + _beside(e, engines, queued))
-                         for e, f in zip(candidates, facts)]
+                facts, _ = self._on_shared_cores(candidates, facts)
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
         return engine
 
-    def _core_queues(self, candidates: Sequence[EngineRef],
-                     facts: Sequence[EngineFacts]) -> tuple[list[EngineRef], dict[str, float]]:
-        """The engines that compute prompts now, with the prompt tokens queued on each, for
-        `_beside`: the candidate prefill (or colocated) engines' queues (their `facts`) and the
-        decode engines' local prefills. The prefill pick and the disaggregation decider count
-        the same ones, so a remote prefill that the decider sent off because a replica with a
-        core of its own would answer sooner goes to that replica, not to the one taking turns
-        with the decode engine's local prefill (docs/bench-results.md, runs 115-117)."""
-        decode = self.pools["decode"].engines if self.disaggregated else []
-        return [*candidates, *decode], self._local_queued | {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)}
+    def _on_shared_cores(self, candidates: Sequence[EngineRef], facts: Sequence[EngineFacts],
+                         decode: EngineRef | None = None) -> tuple[list[EngineFacts], float]:
+        """`facts` of the candidate prefill (or colocated) engines with what else computes on
+        their cores: the prompts queued on those engines (`_beside`; the candidates' own
+        queues and the decode engines' local prefills) and the decode engines decoding there
+        (`EngineFacts.decoding_neighbours`); and the prompts queued beside `decode` (0 without
+        one). The prefill pick and the disaggregation decider count the same ones, so a remote
+        prefill that the decider sent off because a replica with a core of its own would
+        answer sooner goes to that replica, not to the one taking turns with the decode
+        engine's local prefill or its decodes (docs/bench-results.md, runs 115-117 and 121)."""
+        decoders = self.pools["decode"].engines if self.disaggregated else []
+        queued = self._local_queued | {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)}
+        engines = [*candidates, *decoders]
+        decoding = [d for d in decoders if self._outstanding(d, self.pools["decode"])]
+        out = [msgspec.structs.replace(f, queued_tokens=f.queued_tokens + _beside(e, engines, queued),
+                                       decoding_neighbours=sum(e.shares_cores(d) for d in decoding))
+               for e, f in zip(candidates, facts)]
+        return out, _beside(decode, engines, queued) if decode is not None else 0.0
 
     def _claim(self, engine: EngineRef, prompt: PromptKeys | None) -> float:
         """The request goes to `engine`: returns its weight in the engine's queue for
@@ -520,10 +526,9 @@ class Router:
             loaded = self._tier_tokens(decode, tier, cached)
             candidates = picker.candidates()
             facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
-            engines, prompts = self._core_queues(candidates, facts)
-            ahead = min((ahead_tokens(f, n, self.routing) + _beside(e, engines, prompts) for e, f in zip(candidates, facts)),
-                        default=None)
-            queued += _beside(decode, engines, prompts)
+            facts, beside = self._on_shared_cores(candidates, facts, decode)
+            ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
+            queued += beside
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, n, cached, held_up,

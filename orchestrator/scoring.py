@@ -56,6 +56,11 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # history), and the fuller cache is the first to evict a live prefix, which its next
     # request computes again.
     crowded_tokens: float = 0.0
+    # Engines decoding on the replica's cores (decode engines with requests in flight; none on
+    # GPUs): each steps without pause and takes turns with the replica's forward passes there,
+    # which stretches its prefill about as much as its own work again (0.33 against 0.20 ms
+    # per prompt token on a 2-core host, docs/bench-results.md, run 121).
+    decoding_neighbours: int = 0
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -75,8 +80,10 @@ def _share(tokens: float, prompt_tokens: int) -> float:
 
 def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """The tokens the replica computes before the first token of a request of `n` prompt
-    tokens: those queued on it, then the request's own (`new_tokens`)."""
-    return f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
+    tokens: those queued on it, then the request's own (`new_tokens`), in the time it takes
+    to compute them alone: each engine decoding on its cores counts them once more."""
+    own = f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
+    return own * (1 + f.decoding_neighbours)
 
 
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:

@@ -29,7 +29,7 @@ from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse
 from orchestrator.disaggregation import decide
 from orchestrator.protocol import EngineRef
 from orchestrator.router import RequestTrace, Router
-from orchestrator.scoring import EngineFacts, choose, score, tier_tokens
+from orchestrator.scoring import EngineFacts, ahead_tokens, choose, score, tier_tokens
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
@@ -713,6 +713,79 @@ def test_a_remote_prefill_goes_to_the_replica_that_does_not_share_the_local_pref
     assert [t.disaggregation for t in traces] == ["local", "remote"] * 4
     assert router.stats.decisions["remote:prefill_sooner"] == 4
     assert len(p1.requests) == 4 and not p0.requests
+    assert router._local_queued == {}
+
+
+def test_an_engine_decoding_on_a_replicas_cores_counts_its_tokens_ahead_once_more() -> None:
+    cfg = RoutingConfig()
+    alone = EngineFacts("p", 0, 64, 0.0, 0.0, queued_tokens=100)
+    assert ahead_tokens(alone, 200, cfg) == 236  # 100 queued + 136 of its own
+    assert ahead_tokens(msgspec.structs.replace(alone, decoding_neighbours=1), 200, cfg) == 472
+    assert ahead_tokens(msgspec.structs.replace(alone, decoding_neighbours=2), 200, cfg) == 708
+
+
+def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]]) -> list[RequestTrace]:
+    """Serves a 20-block prompt that ends up decoding on `decode` (held there by its gate),
+    then each prompt of `then` while it does, then opens the gate and lets them all end."""
+    traces: list[RequestTrace] = []
+
+    async def one(prompt: list[int]) -> None:
+        traces.append(trace := RequestTrace())
+        async for _ in router.generate(EngineRequest(f"r{len(traces)}", prompt, SamplingParams(max_tokens=2)), trace):
+            pass
+
+    async def go() -> None:
+        assert router.cache is not None
+        router.cache.sync()
+        await asyncio.sleep(0.05)
+        decode.gate.clear()
+        running = [asyncio.create_task(one(list(range(50_000, 50_000 + 20 * BLOCK))))]
+        while not router.pools["decode"].outstanding.get(decode.name):
+            await asyncio.sleep(0.005)
+        for prompt in then:
+            running.append(asyncio.create_task(one(prompt)))
+            while len(traces) < len(running) or traces[-1].disaggregation is None:
+                await asyncio.sleep(0.005)
+        decode.gate.set()
+        await asyncio.gather(*running)
+        await router.close()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=10))
+    return traces
+
+
+def test_a_prefill_goes_to_the_replica_whose_cores_no_decode_engine_is_decoding_on() -> None:
+    """2P1D on a 2-core host, the decode engine computing on p0's core: while it decodes, p0's
+    forward passes take turns with its steps, so a prompt p0 holds a block of goes to p1, which
+    computes the rest alone sooner (0.33 against 0.20 ms a token, run 121); once the decode
+    engine is idle, it goes back to p0."""
+    held = list(range(5_000, 5_000 + BLOCK))
+    p0, p1, decode = CachingEngine("p0", [held]), CachingEngine("p1"), GatedEngine("d")
+    router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,))],
+                    RoutingConfig(policy="kv_aware"))
+    prompt = held + list(range(6_000, 6_000 + 3 * BLOCK))
+    _decode_busy_then(router, decode, [prompt])
+    assert [r.prompt_token_ids for r in p1.requests][-1] == prompt
+    assert not any(r.prompt_token_ids == prompt for r in p0.requests)
+    p0.requests.clear()
+    p1.requests.clear()
+    serve_one(router, held + list(range(7_000, 7_000 + 3 * BLOCK)), RequestTrace())
+    assert len(p0.requests) == 1 and not p1.requests
+
+
+def test_conditional_prefills_locally_rather_than_beside_the_engines_decodes() -> None:
+    """The decode engine holds a chat's history and decodes another request; the one replica
+    that holds the history too computes on its core, the other holds none. The rest of the
+    prompt is too long to stall that decode for by the budget alone, but a remote prefill
+    would compute either beside those decodes (at half speed) or the whole history on p1: it
+    is prefilled locally (remote_costlier)."""
+    history = list(range(5_000, 5_000 + 6 * BLOCK))
+    p0, p1, decode = CachingEngine("p0", [history]), CachingEngine("p1"), GatedEngine("d", [history])
+    cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", first_token="prefill")
+    router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,))], cfg)
+    traces = _decode_busy_then(router, decode, [history + list(range(6_000, 6_000 + 10 * BLOCK))])
+    assert [t.disaggregation for t in traces] == ["remote", "local"]
+    assert {k: v for k, v in router.stats.decisions.items() if v} == {"remote:long_uncached": 1, "local:remote_costlier": 1}
     assert router._local_queued == {}
 
 
