@@ -142,7 +142,8 @@ class Replica:
         i = self.info
         return EngineRef(self.engine_id, self.role, self.handle, i.incarnation, i.block_size, i.hash_algo, i.hash_seed,
                          i.node_id, self.loads_tier, i.num_blocks, i.stream_address, self.saves_tier, i.node_ip,
-                         tuple(sorted(binding_cores(i.cpu_binding))) if i.cpu_binding else ())
+                         tuple(sorted(binding_cores(i.cpu_binding))) if i.cpu_binding else (),
+                         tuple(sorted(i.cores)) if i.cores else ())
 
     def status(self) -> ReplicaStatus:
         live = self.info is not None

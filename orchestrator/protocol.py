@@ -50,11 +50,21 @@ class EngineRef(msgspec.Struct, frozen=True):
     # cores overlap compute their prompts in turns, so each one's queue delays the others'.
     node_ip: str = ""
     compute_cores: tuple[int, ...] = ()
+    # The cores its processes run on (the actor with vLLM's front end and the token path, the
+    # engine core's loop): a decode engine with no core to spare runs them on its node's
+    # prefill engines' cores (orchestrator.placement.process_cores); empty: unbound.
+    process_cores: tuple[int, ...] = ()
 
     def shares_cores(self, other: EngineRef) -> bool:
         """Whether `other`, another engine, computes on some of this engine's cores."""
         return (other.engine_id != self.engine_id and other.node_ip == self.node_ip
                 and not set(self.compute_cores).isdisjoint(other.compute_cores))
+
+    def steps_beside(self, decoder: EngineRef) -> bool:
+        """Whether `decoder`'s decoding runs on some of this engine's compute cores: its
+        forward passes, or its processes, which handle every token it streams."""
+        return (decoder.engine_id != self.engine_id and decoder.node_ip == self.node_ip
+                and not set(self.compute_cores).isdisjoint({*decoder.compute_cores, *decoder.process_cores}))
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

@@ -421,8 +421,9 @@ class Router:
                          decode: EngineRef | None = None) -> tuple[list[EngineFacts], float]:
         """`facts` of the candidate prefill (or colocated) engines with what else computes on
         their cores: the prompts queued on those engines (`_beside`; the candidates' own
-        queues and the decode engines' local prefills) and the decode engines decoding there
-        (`EngineFacts.decoding_neighbours`); and the prompts queued beside `decode` (0 without
+        queues and the decode engines' local prefills) and the decode engines decoding there,
+        their forward passes or their processes (`EngineFacts.decoding_neighbours`,
+        `EngineRef.steps_beside`); and the prompts queued beside `decode` (0 without
         one). The prefill pick and the disaggregation decider count the same ones, so a remote
         prefill that the decider sent off because a replica with a core of its own would
         answer sooner goes to that replica, not to the one taking turns with the decode
@@ -432,7 +433,7 @@ class Router:
         engines = [*candidates, *decoders]
         decoding = [d for d in decoders if self._outstanding(d, self.pools["decode"])]
         out = [msgspec.structs.replace(f, queued_tokens=f.queued_tokens + _beside(e, engines, queued),
-                                       decoding_neighbours=sum(e.shares_cores(d) for d in decoding))
+                                       decoding_neighbours=sum(e.steps_beside(d) for d in decoding))
                for e, f in zip(candidates, facts)]
         return out, _beside(decode, engines, queued) if decode is not None else 0.0
 

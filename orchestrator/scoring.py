@@ -56,10 +56,11 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # history), and the fuller cache is the first to evict a live prefix, which its next
     # request computes again.
     crowded_tokens: float = 0.0
-    # Engines decoding on the replica's cores (decode engines with requests in flight; none on
-    # GPUs): each steps without pause and takes turns with the replica's forward passes there,
-    # which stretches its prefill about as much as its own work again (0.33 against 0.20 ms
-    # per prompt token on a 2-core host, docs/bench-results.md, run 121).
+    # Decode engines with requests in flight whose forward passes or processes run on the
+    # replica's cores (EngineRef.steps_beside; none on GPUs): they step with every token and
+    # take turns with the replica's forward passes there, which stretches its prefill
+    # (1.4-1.6x a prompt token on a 2-core host, docs/bench-results.md, runs 121-122): each
+    # counts its tokens ahead once more.
     decoding_neighbours: int = 0
 
 

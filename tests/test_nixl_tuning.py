@@ -565,10 +565,13 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
         confined_after_restart = ray_threads()
     after = ray_threads()
     check_prewarmed_and_placed(moved, infos, before)
-    # The routers know each engine's host and compute cores, to weigh the queues that share them.
-    assert {eid: (r.node_ip, set(r.compute_cores)) for eid, r in refs.items()} == {
-        eid: (info.node_ip, omp[eid]) for eid, info in infos.items()}
+    # The routers know each engine's host, compute cores and process cores, to weigh the
+    # queues and the decodes that share them.
+    assert {eid: (r.node_ip, set(r.compute_cores), set(r.process_cores)) for eid, r in refs.items()} == {
+        eid: (info.node_ip, omp[eid], set(info.cores or [])) for eid, info in infos.items()}
     assert not refs["prefill-0"].shares_cores(refs["decode-0"])
+    if len(node) == 2:  # the decode engine's processes run on the prefill engine's core
+        assert refs["prefill-0"].steps_beside(refs["decode-0"])
     assert out.choices[0].text and out.usage.completion_tokens == 4
     expected = (node - omp["prefill-0"] - omp["decode-0"]) or (node - omp["decode-0"])
     if len(node) == 2:

@@ -491,9 +491,10 @@ class CachingEngine(FakeEngineBase):
         self.abort = _Method(lambda rid, kv_params=None: _done(None))
         self.cache_updates = _Method(self._cache_updates)
 
-    def ref(self, role: str, cores: tuple[int, ...] = (), node_ip: str = "10.0.0.1") -> EngineRef:
+    def ref(self, role: str, cores: tuple[int, ...] = (), node_ip: str = "10.0.0.1",
+            process_cores: tuple[int, ...] = ()) -> EngineRef:
         return EngineRef(self.name, role, self, "i0", BLOCK, "sha256", SEED,  # type: ignore[arg-type]
-                         stream_address=self.address, node_ip=node_ip, compute_cores=cores)
+                         stream_address=self.address, node_ip=node_ip, compute_cores=cores, process_cores=process_cores)
 
     async def _cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0) -> CacheUpdate:
         if version == 1:
@@ -773,20 +774,37 @@ def test_a_prefill_goes_to_the_replica_whose_cores_no_decode_engine_is_decoding_
     assert len(p0.requests) == 1 and not p1.requests
 
 
-def test_conditional_prefills_locally_rather_than_beside_the_engines_decodes() -> None:
-    """The decode engine holds a chat's history and decodes another request; the one replica
-    that holds the history too computes on its core, the other holds none. The rest of the
-    prompt is too long to stall that decode for by the budget alone, but a remote prefill
-    would compute either beside those decodes (at half speed) or the whole history on p1: it
-    is prefilled locally (remote_costlier)."""
+@pytest.mark.parametrize(("p1_holds", "process_cores", "expect"), [
+    (False, (), "local:remote_costlier"),  # p0 beside its steps, p1 would compute the history
+    (True, (), "remote:long_uncached"),  # p1 holds it too, on a core of its own
+    (True, (1,), "local:remote_costlier"),  # ... where the decode engine's processes run
+])
+def test_conditional_prefills_locally_rather_than_beside_the_engines_decodes(
+        p1_holds: bool, process_cores: tuple[int, ...], expect: str) -> None:
+    """The decode engine holds a chat's history and decodes another request, computing on
+    p0's core. The rest of the prompt is too long to stall that decode for by the budget
+    alone, but a replica's prefill beside those decodes (their forward passes, or the decode
+    engine's processes, which handle every token) takes about twice as long: unless a replica
+    apart from them holds the history, the turn is prefilled locally (remote_costlier)."""
     history = list(range(5_000, 5_000 + 6 * BLOCK))
-    p0, p1, decode = CachingEngine("p0", [history]), CachingEngine("p1"), GatedEngine("d", [history])
+    p0, p1 = CachingEngine("p0", [history]), CachingEngine("p1", [history] if p1_holds else [])
+    decode = GatedEngine("d", [history])
     cfg = RoutingConfig(policy="kv_aware", disaggregation="conditional", first_token="prefill")
-    router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,))], cfg)
+    router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)),
+                     decode.ref("decode", (0,), process_cores=process_cores)], cfg)
     traces = _decode_busy_then(router, decode, [history + list(range(6_000, 6_000 + 10 * BLOCK))])
-    assert [t.disaggregation for t in traces] == ["remote", "local"]
-    assert {k: v for k, v in router.stats.decisions.items() if v} == {"remote:long_uncached": 1, "local:remote_costlier": 1}
+    assert [t.disaggregation for t in traces] == ["remote", expect.split(":")[0]]
+    assert {k: v for k, v in router.stats.decisions.items() if v} == {"remote:long_uncached": 1} | {expect: 1 + expect.startswith("remote")}
     assert router._local_queued == {}
+
+
+def test_a_decode_engine_steps_beside_the_engines_on_its_compute_or_process_cores() -> None:
+    decode = EngineRef("d", "decode", None, node_ip="10.0.0.1", compute_cores=(0,), process_cores=(1,))
+    on = [EngineRef(f"p{c}", "prefill", None, node_ip="10.0.0.1", compute_cores=(c,)) for c in range(3)]
+    assert [p.steps_beside(decode) for p in on] == [True, True, False]
+    assert [p.shares_cores(decode) for p in on] == [True, False, False]  # prompts queue on its compute cores only
+    elsewhere = EngineRef("q", "prefill", None, node_ip="10.0.0.2", compute_cores=(0,))
+    assert not elsewhere.steps_beside(decode) and not decode.steps_beside(decode)
 
 
 def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
