@@ -427,7 +427,7 @@ class Router:
         one). The prefill pick and the disaggregation decider count the same ones, so a remote
         prefill that the decider sent off because a replica with a core of its own would
         answer sooner goes to that replica, not to the one taking turns with the decode
-        engine's local prefill or its decodes (docs/bench-results.md, runs 115-117 and 121)."""
+        engine's local prefill or its decodes (docs/bench-results.md, runs 115-117 and 121-125)."""
         decoders = self.pools["decode"].engines if self.disaggregated else []
         queued = self._local_queued | {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)}
         engines = [*candidates, *decoders]

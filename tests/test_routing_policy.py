@@ -758,7 +758,7 @@ def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]]
 def test_a_prefill_goes_to_the_replica_whose_cores_no_decode_engine_is_decoding_on() -> None:
     """2P1D on a 2-core host, the decode engine computing on p0's core: while it decodes, p0's
     forward passes take turns with its steps, so a prompt p0 holds a block of goes to p1, which
-    computes the rest alone sooner (0.33 against 0.20 ms a token, run 121); once the decode
+    computes the rest alone sooner (0.33 against 0.20 ms a token, run 122); once the decode
     engine is idle, it goes back to p0."""
     held = list(range(5_000, 5_000 + BLOCK))
     p0, p1, decode = CachingEngine("p0", [held]), CachingEngine("p1"), GatedEngine("d")
