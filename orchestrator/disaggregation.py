@@ -18,7 +18,9 @@ sum: its queue is in the tokens ahead. Engines given the same cores (three or fo
 on a 2-core host) compute their prompts in turns, so each one's tokens ahead include the
 others' queues: a burst of turns is not sent to two engines that would compute it side by
 side on one core while another core has less to do (docs/bench-results.md, runs 100-102
-and 111-112). (A rule that went local whenever every prefill
+and 111-112); and a decode engine decoding on a replica's cores (its forward passes or its
+processes) counts that replica's tokens ahead once more, as its steps take turns with the
+replica's prefill there (runs 121-125). (A rule that went local whenever every prefill
 replica had a few requests in flight, whatever the decode engine ran, was dropped: its count
 held requests only waiting for their KV pull, and past saturation it loaded a decode engine
 slower still, whose stalled decodes and timed-out prefills put conditional further behind

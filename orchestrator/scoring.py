@@ -59,7 +59,7 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # Decode engines with requests in flight whose forward passes or processes run on the
     # replica's cores (EngineRef.steps_beside; none on GPUs): they step with every token and
     # take turns with the replica's forward passes there, which stretches its prefill
-    # (1.4-1.6x a prompt token on a 2-core host, docs/bench-results.md, runs 122 and 124): each
+    # (1.2-1.6x a prompt token on a 2-core host, docs/bench-results.md, runs 122 and 124): each
     # counts its tokens ahead once more.
     decoding_neighbours: int = 0
 
