@@ -57,14 +57,17 @@ class EngineRef(msgspec.Struct, frozen=True):
 
     def shares_cores(self, other: EngineRef) -> bool:
         """Whether `other`, another engine, computes on some of this engine's cores."""
-        return (other.engine_id != self.engine_id and other.node_ip == self.node_ip
-                and not set(self.compute_cores).isdisjoint(other.compute_cores))
+        return self._runs_on_my_cores(other, other.compute_cores)
 
     def steps_beside(self, decoder: EngineRef) -> bool:
         """Whether `decoder`'s decoding runs on some of this engine's compute cores: its
         forward passes, or its processes, which handle every token it streams."""
-        return (decoder.engine_id != self.engine_id and decoder.node_ip == self.node_ip
-                and not set(self.compute_cores).isdisjoint({*decoder.compute_cores, *decoder.process_cores}))
+        return self._runs_on_my_cores(decoder, (*decoder.compute_cores, *decoder.process_cores))
+
+    def _runs_on_my_cores(self, other: EngineRef, cores: tuple[int, ...]) -> bool:
+        """Whether `cores` of `other`, another engine on this engine's host, meet its compute cores."""
+        return (other.engine_id != self.engine_id and other.node_ip == self.node_ip
+                and not set(self.compute_cores).isdisjoint(cores))
 
 
 class RoutingTable(msgspec.Struct, frozen=True):

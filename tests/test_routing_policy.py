@@ -28,7 +28,7 @@ from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
 from orchestrator.disaggregation import decide
 from orchestrator.protocol import EngineRef
-from orchestrator.router import RequestTrace, Router
+from orchestrator.router import CoreNeighbours, RequestTrace, Router
 from orchestrator.scoring import EngineFacts, ahead_tokens, choose, score, tier_tokens
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
@@ -805,6 +805,24 @@ def test_a_decode_engine_steps_beside_the_engines_on_its_compute_or_process_core
     assert [p.shares_cores(decode) for p in on] == [True, False, False]  # prompts queue on its compute cores only
     elsewhere = EngineRef("q", "prefill", None, node_ip="10.0.0.2", compute_cores=(0,))
     assert not elsewhere.steps_beside(decode) and not decode.steps_beside(decode)
+
+
+def test_core_neighbours_pair_the_engines_of_one_hosts_cores_once_per_table() -> None:
+    decode = EngineRef("d", "decode", None, node_ip="10.0.0.1", compute_cores=(0,), process_cores=(1,))
+    on = [EngineRef(f"p{c}", "prefill", None, node_ip="10.0.0.1", compute_cores=(c,)) for c in (0, 1, 1)]
+    on[2] = msgspec.structs.replace(on[2], engine_id="p1b")
+    elsewhere = EngineRef("q", "prefill", None, node_ip="10.0.0.2", compute_cores=(0,))
+    gpus = [EngineRef(f"g{i}", role, None, node_ip="10.0.0.3") for i, role in enumerate(("prefill", "decode"))]
+    near = CoreNeighbours([decode, *on, elsewhere, *gpus])
+    assert near.mates == {"d": ("p0",), "p0": ("d",), "p1": ("p1b",), "p1b": ("p1",)}
+    assert {eid: [d.engine_id for d in ds] for eid, ds in near.decoders.items()} == {"p0": ["d"], "p1": ["d"], "p1b": ["d"]}
+    queued = {"d": 5.0, "p0": 7.0, "p1": 11.0, "p1b": 13.0, "q": 17.0}
+    assert [near.queued_beside(e, queued) for e in ("d", "p0", "p1", "p1b", "q", "g0")] == [7.0, 5.0, 13.0, 11.0, 0.0, 0.0]
+    # Every pair the router reads agrees with the engines' own predicates.
+    refs = [decode, *on, elsewhere, *gpus]
+    for e in refs:
+        assert set(near.mates.get(e.engine_id, ())) == {o.engine_id for o in refs if e.shares_cores(o)}
+        assert set(near.decoders.get(e.engine_id, ())) == {d for d in refs if d.role == "decode" and e.steps_beside(d)}
 
 
 def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
