@@ -48,7 +48,7 @@ from benchmarks.phases import (
 from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport, round_label
 from benchmarks.scenarios import Scenario
 from benchmarks.server_cpu import ServerCpu
-from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, RunSummary, goodput_from_sweep, summarize
+from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, RunSummary, goodput_from_sweep, percentile, summarize
 
 SweepAxis = Literal["rate", "concurrency"]
 
@@ -704,18 +704,27 @@ def vllm_client_table(results: list[ClientResult]) -> str:
     return "\n".join(rows)
 
 
+def reference_scenario(results: Sequence[ClientResult]) -> str | None:
+    """The scenario the others are set against round by round: the plain vLLM server when it
+    ran, else the first one listed (round 1 runs them in the order given), as Tandem's own
+    load generator does; None without results."""
+    names = [r.scenario for r in results]
+    return VLLM_REFERENCE if VLLM_REFERENCE in names else (names[0] if names else None)
+
+
 def round_ratios(results: list[ClientResult]) -> str:
-    """Each scenario's TTFT and TPOT p50 over the plain vLLM server's under the same load in
-    the same round, round by round, and the median of each; empty with one round or without
-    the plain server. The goals that set Tandem against a plain server are read here."""
+    """Each scenario's TTFT and TPOT p50 over the reference's (`reference_scenario`) under the
+    same load in the same round, round by round, and the median of each; empty with one
+    round. The goals that set Tandem against a plain server are read here."""
     rounds = _rounds(results)
-    reference = {(r.round, r.load): r.vllm for r in results if r.scenario == VLLM_REFERENCE}
+    name = reference_scenario(results)
+    reference = {(r.round, r.load): r.vllm for r in results if r.scenario == name}
     if rounds == 1 or not reference:
         return ""
     cells: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
     for r in results:
         ref = reference.get((r.round, r.load))
-        if r.scenario == VLLM_REFERENCE or ref is None:
+        if r.scenario == name or ref is None:
             continue
         ttft, tpot = (float(r.vllm[k]) / float(ref[k]) for k in ("median_ttft_ms", "median_tpot_ms"))  # type: ignore[arg-type]
         cells.setdefault((r.scenario, r.load), {})[r.round] = (ttft, tpot)
@@ -726,6 +735,31 @@ def round_ratios(results: list[ClientResult]) -> str:
         median = tuple(statistics.median(x[k] for x in ratios if x is not None) for k in (0, 1))
         row = " | ".join(f"{x[0]:.2f}x / {x[1]:.2f}x" if x is not None else "" for x in [*ratios, median])
         rows.append(f"| {scenario} | {load} | {row} |")
+    return "\n".join(rows)
+
+
+def pooled_ttft(results: list[ClientResult]) -> str:
+    """Every round's TTFTs pooled per scenario and load (p50, mean, p99) and set against the
+    reference's (`reference_scenario`): percentiles of pooled requests, which a median of
+    per-round ratios cannot give for a tail of one or two requests a round. Needs vLLM's
+    per-request figures (`--save-detailed`); empty with one round or without them."""
+    if _rounds(results) == 1:
+        return ""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        ttfts = r.vllm.get("ttfts")
+        if not isinstance(ttfts, list):
+            return ""
+        # vLLM records a failed request's TTFT as 0: those are counted as failed, not fast.
+        groups.setdefault((r.scenario, r.load), []).extend(1000.0 * float(t) for t in ttfts if t)
+    figures = {key: (percentile(ms, 50), statistics.fmean(ms), percentile(ms, 99)) for key, ms in groups.items() if ms}
+    name = reference_scenario(results)
+    rows = [f"| scenario | load | requests | TTFT p50 / mean / p99 (ms) | over {name}'s |", "| --- | --- | ---: | ---: | ---: |"]
+    for (scenario, load), fig in figures.items():
+        ref = figures.get((name, load)) if scenario != name else None
+        over = " / ".join(f"{a / b:.2f}x" for a, b in zip(fig, ref)) if ref else ""
+        rows.append(f"| {scenario} | {load} | {len(groups[(scenario, load)])} | "
+                    + " / ".join(f"{x:,.1f}" for x in fig) + f" | {over} |")
     return "\n".join(rows)
 
 
@@ -814,8 +848,11 @@ def write_vllm_client_report(results: list[ClientResult], out: Path, command: st
     the tables."""
     text = vllm_client_table(results)
     if ratios := round_ratios(results):
-        text += (f"\n\nTTFT / TPOT p50 over {VLLM_REFERENCE}'s, round by round (each round's own "
-                 f"{VLLM_REFERENCE} run), and the median:\n\n" + ratios)
+        name = reference_scenario(results)
+        text += (f"\n\nTTFT / TPOT p50 over {name}'s, round by round (each round's own "
+                 f"{name} run), and the median:\n\n" + ratios)
+    if pooled_table := pooled_ttft(results):
+        text += "\n\nEvery round's requests pooled:\n\n" + pooled_table
     if budget := vllm_client_budget(results, scenarios):
         text += "\n\nWhere the mean TTFT went (`benchmarks.phases`):\n\n" + budget.rstrip("\n")
     if budget := vllm_client_tpot_budget(results):

@@ -773,6 +773,34 @@ def test_with_rounds_each_scenario_is_set_against_the_plain_server_of_its_own_ro
     assert "| colocated:1 | 2 req/s, round 2 | 5.8x | 5.8x | 3.1x |" in peer_comparison(results)
 
 
+def test_without_the_plain_server_rounds_are_set_against_the_first_scenario_and_pooled() -> None:
+    """The held-out routing check (`python -m benchmarks.vllm_bench --rounds N ... --save-detailed`):
+    policies against the first listed, per round and over every round's requests pooled."""
+    from benchmarks.protocol import ClientResult
+    from benchmarks.report import pooled_ttft, reference_scenario, round_ratios
+
+    def figures(ttfts_ms: list[float], tpot: float = 5.0, detailed: bool = True) -> dict[str, object]:
+        out: dict[str, object] = {"completed": len(ttfts_ms), "failed": 0, "median_ttft_ms": sorted(ttfts_ms)[len(ttfts_ms) // 2],
+                                  "p99_ttft_ms": max(ttfts_ms), "median_tpot_ms": tpot, "mean_tpot_ms": tpot}
+        return out | ({"ttfts": [t / 1000 for t in ttfts_ms]} if detailed else {})
+
+    # Round 2 runs the scenarios reversed; the first listed is still the reference. A failed
+    # request's TTFT (0 in vLLM's file) is left out.
+    results = [ClientResult("2p1d@round_robin", "as given", figures([20.0, 30.0, 40.0]), {}, 0),
+               ClientResult("2p1d@kv_aware", "as given", figures([10.0, 15.0, 20.0]), {}, 0),
+               ClientResult("2p1d@kv_aware", "as given", figures([10.0, 0.0, 30.0, 100.0]), {}, 1),
+               ClientResult("2p1d@round_robin", "as given", figures([20.0, 60.0, 80.0]), {}, 1)]
+    assert reference_scenario(results) == "2p1d@round_robin"
+    lines = round_ratios(results).splitlines()
+    assert lines[2] == "| 2p1d@kv_aware | as given | 0.50x / 1.00x | 0.50x / 1.00x | 0.50x / 1.00x |"
+    table = pooled_ttft(results).splitlines()
+    assert table[0] == "| scenario | load | requests | TTFT p50 / mean / p99 (ms) | over 2p1d@round_robin's |"
+    assert table[2] == "| 2p1d@round_robin | as given | 6 | 35.0 / 41.7 / 79.0 |  |"
+    assert table[3] == "| 2p1d@kv_aware | as given | 6 | 17.5 / 30.8 / 96.5 | 0.50x / 0.74x / 1.22x |"
+    assert pooled_ttft(results[:2]) == ""  # one round
+    assert pooled_ttft([*results[:3], ClientResult("2p1d@round_robin", "as given", figures([20.0], detailed=False), {}, 1)]) == ""
+
+
 def test_rounds_pool_into_one_budget_column_per_scenario_and_load() -> None:
     from benchmarks.protocol import ClientResult
     from benchmarks.report import pooled, vllm_client_tpot_budget
