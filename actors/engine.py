@@ -458,7 +458,7 @@ class EngineActor:
         remaining = num_prompt + params.max_tokens * params.n
         self.load.add(1, remaining)
         self.requests_by_origin[req.origin] += 1
-        self.kv_events.poke(req.blocks)  # routers' view of the load, and of what its blocks are to traffic
+        self.kv_events.poke(req.origin, req.blocks)  # routers' view of the load, and of what its blocks are to traffic
         try:
             # Already rendered by the ingress: a typed token input takes vLLM's direct path (a
             # raw prompt would be rendered again, on the renderer's thread pool, a thread hop
@@ -500,7 +500,7 @@ class EngineActor:
             self.requests_by_origin[req.origin] -= 1
             if not self.requests_by_origin[req.origin]:
                 del self.requests_by_origin[req.origin]
-            self.kv_events.poke()
+            self.kv_events.poke(req.origin)
             if finished:
                 self.stats.num_requests_finished += 1
             else:
@@ -570,16 +570,18 @@ class EngineActor:
         await self.llm.check_health()
         return self.load.report(self.stats.kv_cache_usage)
 
-    async def cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0) -> CacheUpdate:
+    async def cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0,
+                            origin: str = "") -> CacheUpdate:
         """What changed in this engine's prefix cache since a router's `version` of
         `incarnation` (every key held, when the router had another incarnation or fell too far
         behind), with the load now and the blocks of the requests that arrived since (for a
         router that had another incarnation: of the last `history_s` seconds). Waits up to
-        `timeout_s` for a change first (long-poll)."""
+        `timeout_s` for a change first (long-poll), a change of load by the requests of the
+        router tagged `origin` (its own) left out."""
         follower = self.kv_events
         deltas = None
         if incarnation == self.incarnation:
-            await follower.wait_changed(version, timeout_s)
+            await follower.wait_changed(version, timeout_s, origin)
             await asyncio.sleep(CACHE_UPDATE_COALESCE_S)
             current, deltas = follower.changes_since(version)
             uses = follower.uses_since(version)

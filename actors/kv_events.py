@@ -84,12 +84,14 @@ def hash_settings(engine_args: dict[str, Any]) -> tuple[str, str]:
 
 class CacheDelta(msgspec.Struct, frozen=True):
     """Keys stored and removed by one batch of events (`cleared`: everything went first); none
-    for a change of load (`KVEventFollower.poke`)."""
+    for a change of load (`KVEventFollower.poke`), with the origin (EngineRequest.origin) of
+    the request that made it."""
 
     version: int
     stored: list[int]
     removed: list[int]
     cleared: bool = False
+    origin: str = ""
 
 
 class RecentUses:
@@ -146,7 +148,8 @@ class KVEventFollower:
         self.log: deque[CacheDelta] = deque()
         self.uses = RecentUses()
         self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        # (loop, event, origin of the router waiting) of every pending wait_changed.
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, str]] = []
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -190,28 +193,33 @@ class KVEventFollower:
         if net or cleared:
             self._change([k for k, held in net.items() if held], [k for k, held in net.items() if not held], cleared)
 
-    def poke(self, use: BlockUse | None = None) -> None:
-        """Something routers read with the cache changed (the engine's load: a request arrived,
-        with the blocks its router saw in `use`, or left). It takes a version of its own, a
-        delta with no keys, so that a router between two calls when it happens still sees it at
-        once instead of at its next timeout."""
-        self._change([], [], False, use)
+    def poke(self, origin: str, use: BlockUse | None = None) -> None:
+        """Something routers read with the cache changed (the engine's load: a request from the
+        router tagged `origin` arrived, with the blocks that router saw in `use`, or left). It
+        takes a version of its own, a delta with no keys, so that another router between two
+        calls when it happens still sees it at once instead of at its next timeout. The
+        request's own router knows of it already and is not woken: its answer would land on
+        the engine's cores while the request computes there (docs/bench-results.md, run 134)."""
+        self._change([], [], False, use, origin)
 
-    def _change(self, stored: list[int], removed: list[int], cleared: bool, use: BlockUse | None = None) -> None:
-        """Apply one change, log it under the next version and wake every `wait_changed`."""
+    def _change(self, stored: list[int], removed: list[int], cleared: bool, use: BlockUse | None = None,
+                origin: str = "") -> None:
+        """Apply one change, log it under the next version and wake every `wait_changed` but
+        those of the router tagged `origin` (a change of load its own request made)."""
         with self._lock:
             if cleared:
                 self.held.clear()
             self.held.update(stored)
             self.held.difference_update(removed)
             self.version += 1
-            self.log.append(CacheDelta(self.version, stored, removed, cleared))
+            self.log.append(CacheDelta(self.version, stored, removed, cleared, origin))
             if len(self.log) > MAX_LOG:
                 self.log.popleft()
             if use is not None:
                 self.uses.add(self.version, use, time.monotonic())
-            waiters, self._waiters = self._waiters, []
-        for loop, event in waiters:
+            waiters = [w for w in self._waiters if not origin or w[2] != origin]
+            self._waiters = [w for w in self._waiters if origin and w[2] == origin]
+        for loop, event, _ in waiters:
             loop.call_soon_threadsafe(event.set)
 
     def changes_since(self, version: int) -> tuple[int, list[CacheDelta] | None]:
@@ -234,18 +242,26 @@ class KVEventFollower:
         with self._lock:
             return self.uses.within(age_s, time.monotonic())
 
+    def _changed_for(self, version: int, origin: str) -> bool:
+        """Whether a change after `version` wakes the router tagged `origin` (under the lock)."""
+        if version == self.version:
+            return False
+        if not origin or version > self.version or not self.log or self.log[0].version > version + 1:
+            return True
+        return any(d.origin != origin for d in self.log if d.version > version)
+
     def snapshot(self) -> tuple[int, list[int]]:
         with self._lock:
             return self.version, list(self.held)
 
-    async def wait_changed(self, version: int, timeout_s: float) -> None:
-        """Return when the version differs from `version` (a cache or load change) or after
-        `timeout_s`."""
+    async def wait_changed(self, version: int, timeout_s: float, origin: str = "") -> None:
+        """Return when something changed after `version` (the cache, or the load by a request
+        of a router other than the one tagged `origin`) or after `timeout_s`."""
         event = asyncio.Event()
         with self._lock:
-            if self.version != version:
+            if self._changed_for(version, origin):
                 return
-            self._waiters.append((asyncio.get_running_loop(), event))
+            self._waiters.append((asyncio.get_running_loop(), event, origin))
         try:
             await asyncio.wait_for(event.wait(), timeout_s)
         except asyncio.TimeoutError:

@@ -282,7 +282,8 @@ class CacheView:
             try:
                 # A new incarnation's first answer (or this router's) brings what traffic
                 # used there over the last WORKING_SET_S, as if this router had sent it.
-                update = await cache.ref.handle.cache_updates.remote(cache.incarnation, cache.version, POLL_S, WORKING_SET_S)
+                update = await cache.ref.handle.cache_updates.remote(cache.incarnation, cache.version, POLL_S, WORKING_SET_S,
+                                                                     self.origin)
             except RayError as err:
                 # The engine died or restarts: the routing table drops or renews it meanwhile.
                 logger.debug("cache updates of engine %s failed: %s", cache.ref.engine_id, err)

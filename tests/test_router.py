@@ -232,7 +232,8 @@ class FakeEngine(FakeEngineBase):
         self.released.append((request_id, kv_params))
         return _done(None)
 
-    async def _cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0) -> CacheUpdate:
+    async def _cache_updates(self, incarnation: str, version: int, timeout_s: float, history_s: float = 0.0,
+                             origin: str = "") -> CacheUpdate:
         """An empty prefix cache, reported once and then at every long-poll's end (kv_aware's view)."""
         if version:
             await asyncio.sleep(timeout_s)
