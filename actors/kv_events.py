@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +37,10 @@ MAX_LOG = 4096
 # 36 MB: under long prompts or heavy traffic they reach less far back rather than grow the
 # engine actor's memory.
 MAX_USE_KEYS = 1_000_000
+# The block keys of the latest arrived requests an engine remembers with their routers' origin
+# tags, to tell whose request stored a block (KVEventFollower.apply): the prompts in flight
+# on one engine, 2M tokens at 32-token blocks, with room to spare.
+MAX_ANNOUNCED_KEYS = 65_536
 _MASK64 = (1 << 64) - 1
 
 
@@ -147,6 +151,8 @@ class KVEventFollower:
         self.version = 0
         self.log: deque[CacheDelta] = deque()
         self.uses = RecentUses()
+        # Block key -> origin of the latest request that announced it (EngineRequest.blocks).
+        self._announced: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
         # (loop, event, origin of the router waiting) of every pending wait_changed.
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, str]] = []
@@ -205,8 +211,15 @@ class KVEventFollower:
     def _change(self, stored: list[int], removed: list[int], cleared: bool, use: BlockUse | None = None,
                 origin: str = "") -> None:
         """Apply one change, log it under the next version and wake every `wait_changed` but
-        those of the router tagged `origin` (a change of load its own request made)."""
+        those of the router tagged `origin`: a change of load its own request made, or blocks
+        stored that its requests announced, all of them (it counts them as held since it sent
+        those requests, CacheView.expect, and hears of them at its next answer). Evictions, and
+        blocks no one announced (a decode engine's output), wake every router."""
         with self._lock:
+            if use is not None:
+                self._announce(use.keys, origin)
+            elif stored and not removed and not cleared:
+                origin = self._announcer(stored)
             if cleared:
                 self.held.clear()
             self.held.update(stored)
@@ -221,6 +234,20 @@ class KVEventFollower:
             self._waiters = [w for w in self._waiters if origin and w[2] == origin]
         for loop, event, _ in waiters:
             loop.call_soon_threadsafe(event.set)
+
+    def _announce(self, keys: Sequence[int], origin: str) -> None:
+        announced = self._announced
+        for k in keys:
+            announced[k] = origin
+            announced.move_to_end(k)
+        while len(announced) > MAX_ANNOUNCED_KEYS:
+            announced.popitem(last=False)
+
+    def _announcer(self, stored: Sequence[int]) -> str:
+        """The origin of the router whose requests announced every block of `stored` last, or
+        "" when none did (under the lock)."""
+        origins = {self._announced.get(k, "") for k in stored}
+        return origins.pop() if len(origins) == 1 else ""
 
     def changes_since(self, version: int) -> tuple[int, list[CacheDelta] | None]:
         """(current version, the deltas after `version`), or None for the deltas when the log

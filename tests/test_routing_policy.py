@@ -181,6 +181,51 @@ def test_a_routers_own_requests_do_not_wake_its_long_poll(tmp_path: Path) -> Non
         follower.close()
 
 
+def test_blocks_a_routers_own_requests_stored_do_not_wake_its_long_poll(tmp_path: Path) -> None:
+    """The blocks a router's request stores are no news to it either: it counts them as held
+    from the moment it sends the request (CacheView.expect), so the engine's answer after
+    each prefill's step would only cost the engine's cores. They reach it with its next
+    answer. Blocks no router announced (a decode engine's output), a batch of blocks two
+    routers announced, and evictions still wake it at once; another router always."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    follower = KVEventFollower(f"ipc://{tmp_path}/events")
+    mine, theirs, output_block = [bytes([i]) * 32 for i in (1, 2)], bytes([3]) * 32, bytes([4]) * 32
+
+    def stored(hashes: list[bytes]) -> Callable[[], None]:
+        return lambda: follower.apply([BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                                   block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)])
+
+    async def woken(origin: str, change: Callable[[], None], version: int | None = None) -> bool:
+        since = follower.version if version is None else version
+        waiting = asyncio.create_task(follower.wait_changed(since, timeout_s=3600.0, origin=origin))
+        await asyncio.sleep(0.05)  # waiting now
+        change()
+        done, _ = await asyncio.wait({waiting}, timeout=0.5)
+        waiting.cancel()
+        return bool(done)
+
+    async def go() -> None:
+        follower.poke("r1", BlockUse([as_key(h) for h in mine], 0, "r1"))  # r1's request arrived
+        follower.poke("r2", BlockUse([as_key(theirs)], 0, "r2"))
+        v = follower.version
+        assert not await woken("r1", stored(mine))  # its prefill stored them
+        _, deltas = follower.changes_since(v)  # in the log for its next answer
+        assert deltas is not None and sorted(deltas[0].stored) == sorted(as_key(h) for h in mine)
+        assert await woken("r2", lambda: None, v)  # news to the other router
+        assert await woken("r1", stored([theirs]))  # the other router's blocks
+        assert await woken("r1", stored([output_block]))  # blocks no router announced
+        assert await woken("r1", lambda: follower.apply([BlockRemoved(block_hashes=[mine[0]], medium="GPU")]))
+        follower.poke("r2", BlockUse([as_key(mine[0])], 1, "r2"))  # r2's request reuses r1's prefix
+        assert await woken("r2", stored([mine[0], mine[1]]))  # announced last by two routers: news to both
+        assert follower.held == {as_key(h) for h in (*mine, theirs, output_block)}
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), timeout=20))
+    finally:
+        follower.close()
+
+
 def test_engine_cache_longest_run_and_expectations() -> None:
     cache = EngineCache(EngineRef("e", "decode", None))
     cache.apply(CacheUpdate("i1", 1, True, [1, 2, 4], [], 0, 0, 0.1))
