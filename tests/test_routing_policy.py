@@ -145,6 +145,17 @@ def test_a_load_change_between_two_router_calls_is_not_missed(tmp_path: Path) ->
         follower.close()
 
 
+async def long_poll_woken(follower: KVEventFollower, version: int, origin: str, change: Callable[[], None]) -> bool:
+    """Whether a long-poll of the router tagged `origin`, waiting since `version`, returns
+    within 0.5 s of `change` (its own timeout is an hour: only a wake returns it)."""
+    waiting = asyncio.create_task(follower.wait_changed(version, timeout_s=3600.0, origin=origin))
+    await asyncio.sleep(0.05)  # waiting now
+    change()
+    done, _ = await asyncio.wait({waiting}, timeout=0.5)
+    waiting.cancel()
+    return bool(done)
+
+
 def test_a_routers_own_requests_do_not_wake_its_long_poll(tmp_path: Path) -> None:
     """A change of load by a router's own request is no news to it: waking its long-poll put
     an answer on the engine's cores in the middle of that request's prefill (run 134: kv_aware's
@@ -155,12 +166,7 @@ def test_a_routers_own_requests_do_not_wake_its_long_poll(tmp_path: Path) -> Non
     follower = KVEventFollower(f"ipc://{tmp_path}/events")
 
     async def woken(version: int, origin: str, change: Callable[[], None]) -> bool:
-        waiting = asyncio.create_task(follower.wait_changed(version, timeout_s=3600.0, origin=origin))
-        await asyncio.sleep(0.05)  # waiting now
-        change()
-        done, _ = await asyncio.wait({waiting}, timeout=0.5)
-        waiting.cancel()
-        return bool(done)
+        return await long_poll_woken(follower, version, origin, change)
 
     async def go() -> None:
         v = follower.version
@@ -197,13 +203,7 @@ def test_blocks_a_routers_own_requests_stored_do_not_wake_its_long_poll(tmp_path
                                                    block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)])
 
     async def woken(origin: str, change: Callable[[], None], version: int | None = None) -> bool:
-        since = follower.version if version is None else version
-        waiting = asyncio.create_task(follower.wait_changed(since, timeout_s=3600.0, origin=origin))
-        await asyncio.sleep(0.05)  # waiting now
-        change()
-        done, _ = await asyncio.wait({waiting}, timeout=0.5)
-        waiting.cancel()
-        return bool(done)
+        return await long_poll_woken(follower, follower.version if version is None else version, origin, change)
 
     async def go() -> None:
         follower.poke("r1", BlockUse([as_key(h) for h in mine], 0, "r1"))  # r1's request arrived
