@@ -236,6 +236,8 @@ class KVEventFollower:
             loop.call_soon_threadsafe(event.set)
 
     def _announce(self, keys: Sequence[int], origin: str) -> None:
+        """Remember that the router tagged `origin` sent a request using `keys` (under the
+        lock); the oldest keys go first past MAX_ANNOUNCED_KEYS."""
         announced = self._announced
         for k in keys:
             announced[k] = origin
