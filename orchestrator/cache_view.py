@@ -421,6 +421,21 @@ class CacheView:
             cache.expect(use.keys, now)
             cache.reuse(use.keys[: use.reused], now)
 
+    def stored(self, ref: EngineRef, prompt: PromptKeys) -> None:
+        """A request's prompt was computed (or pulled) on `ref`: its blocks are in the engine's
+        prefix cache now, as its events will say. Those events reach this router up to POLL_S
+        later (the blocks its own requests store do not wake its long-poll), so until then
+        the router takes its own request's word for them: a chat's next turn sent there in that
+        second is told the tier holds nothing past its history (`tier_blocks`), not the
+        history itself. Later events (an eviction) apply over this as over any store."""
+        cache = self.caches.get(ref.engine_id)
+        if cache is None:
+            return
+        _, keys = prompt.for_engine(ref)
+        cache.held.update(keys)
+        for k in keys:
+            cache.expected.pop(k, None)
+
     def block_use(self, ref: EngineRef, prompt: PromptKeys) -> BlockUse | None:
         """What a request claimed on `ref` tells the routers following the engine
         (EngineRequest.blocks); None when none follows it."""
@@ -469,10 +484,11 @@ class CacheView:
 
     def tier_blocks(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
         """How many of the prompt's blocks the CPU tier holds past the run engine `ref` holds
-        itself, as its KV events last said (blocks merely expected there do not count), for the
-        engine's tier lookup (TIER_HINT); None when the router does not know. None past that run
-        means the lookup could only answer "nothing more": a chat's next turn, sent to the
-        engine holding its history, would wait for that answer on its way to the first token."""
+        itself, as its KV events last said or this router's requests computed there (`stored`;
+        blocks merely expected there do not count), for the engine's tier lookup (TIER_HINT);
+        None when the router does not know. None past that run means the lookup could only
+        answer "nothing more": a chat's next turn, sent to the engine holding its history, would
+        wait for that answer on its way to the first token."""
         if self.tier is None or not self.tier.synced:
             return None
         hashes, keys = prompt.for_engine(ref)

@@ -479,6 +479,11 @@ class Router:
         self.cache.expect(engine, prompt)
         return work
 
+    def _stored(self, engine: EngineRef, prompt: PromptKeys | None) -> None:
+        """`engine` answered a request with this prompt: its blocks are in the engine's cache."""
+        if prompt is not None and self.cache is not None:
+            self.cache.stored(engine, prompt)
+
     def _outstanding(self, engine: EngineRef, picker: EnginePicker) -> int:
         """Requests in flight on `engine`: this router's own (exact, now) plus the other
         routers' as of the engine's last cache update. Taking the engine's whole count would
@@ -702,8 +707,10 @@ class Router:
                         self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}", prompt, forward),
                         self.routing.prefill_timeout_s,
                     )
-                    if forward and last is not None:
-                        _raise_if_errored(engine, last, "prefill")
+                    if last is not None:
+                        if forward:
+                            _raise_if_errored(engine, last, "prefill")
+                        self._stored(engine, prompt)
                 except asyncio.TimeoutError:
                     reason = "prefill_timeout"
                     logger.warning("prefill of %s on engine %s took over %.1f s; abandoned",
@@ -890,10 +897,12 @@ class Router:
                                 trace.t_first_token = time.perf_counter()
                             else:
                                 trace.t_second_token = time.perf_counter()
-                        if not streaming and not trace.migrations and (
-                            not self.disaggregated or trace.fallback or trace.disaggregation == "local"
-                        ):
-                            trace.num_cached_tokens = out.num_cached_tokens or 0
+                        if not streaming:
+                            self._stored(engine, prompt)
+                            if not trace.migrations and (
+                                not self.disaggregated or trace.fallback or trace.disaggregation == "local"
+                            ):
+                                trace.num_cached_tokens = out.num_cached_tokens or 0
                         streaming = True
                         if sampling.n == 1:
                             generated.extend(out.outputs[0].token_ids if out.outputs else ())

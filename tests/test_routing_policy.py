@@ -1287,6 +1287,30 @@ def test_engines_hear_how_much_of_the_prompt_the_tier_holds_so_a_miss_skips_thei
     assert engine.requests[-1].kv_transfer_params is None
 
 
+def test_a_chats_next_turn_is_told_the_tier_holds_nothing_past_the_history_its_engine_just_computed() -> None:
+    """The blocks a router's own request stores reach it with the engine's next answer (up
+    to POLL_S later; CachingEngine never reports them): until then the router takes the
+    request's answer for them, so a turn sent at once after the one before is not told to
+    look up in the tier the history its engine holds (and wait for the index to say
+    "nothing more"). An engine that has not answered yet has computed nothing."""
+    from orchestrator.cache_view import CacheView
+
+    first = SYSTEM + list(range(9000, 9000 + 2 * BLOCK))
+    second = first + list(range(9500, 9500 + 2 * BLOCK))
+    warm, cold = CachingEngine("warm", [SYSTEM[: 4 * BLOCK]]), CachingEngine("cold")
+    refs = [msgspec.structs.replace(e.ref("both"), loads_tier=True) for e in (warm, cold)]
+    view = CacheView(_Tier(first))
+    router = Router(refs, RoutingConfig(policy="kv_aware"), cache_view=view)
+    serve_one(router, first, RequestTrace())
+    assert warm.requests[-1].kv_transfer_params == {TIER_HINT: 6}  # the tier's 10 blocks past the engine's 4
+    serve_one(router, second, RequestTrace())
+    assert not cold.requests and warm.requests[-1].kv_transfer_params == {TIER_HINT: 0}
+    # Claimed (sent) but not answered: the blocks are expected there, not held.
+    third = view.prompt(second + list(range(9900, 9900 + 2 * BLOCK)))
+    view.expect(refs[1], third)
+    assert view.tier_blocks(refs[1], third) == 10
+
+
 def test_the_tier_view_follows_commits_and_evictions() -> None:
     from orchestrator.cache_view import TierView
 
