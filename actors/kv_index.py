@@ -117,6 +117,11 @@ TIER_HINT = "tandem_tier_blocks"
 # The key in a request's kv_transfer_params that keeps the tier out of it (neither looked up
 # nor saved): an engine's warm-up prompt (EngineActor.warm_up), which no one will ask for.
 TIER_SKIP = "tandem_tier_skip"
+# The key in a decode request's kv_transfer_params under which a router says how many of the
+# prompt's first tokens the prefill engine that computed them saves to the tier: the decode
+# engine that pulls them saves only what comes after (under conditional disaggregation a
+# decode engine saves what it computes), instead of asking the index about every pulled block.
+TIER_SAVED = "tandem_tier_saved_tokens"
 
 
 class TierChanges(msgspec.Struct, frozen=True):

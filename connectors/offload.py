@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from actors.kv_index import TIER_HINT, TIER_SKIP, BlockLocation, Lookup, Unpin
+from actors.kv_index import TIER_HINT, TIER_SAVED, TIER_SKIP, BlockLocation, Lookup, Unpin
 from actors.kv_store import TierSettings
 from connectors.index_client import IndexCallError, IndexClient
 from connectors.offload_worker import CpuTierWorker
@@ -248,6 +248,10 @@ class TandemCpuTierConnector(KVConnectorBase_V1):
         req_id = request.request_id
         if not _kept_out(request):  # only the requests held here have their blocks saved
             self._requests[req_id] = request
+            # Blocks pulled from a prefill engine that saves them: that engine writes them.
+            saved = (request.kv_transfer_params or {}).get(TIER_SAVED, 0)
+            if saved and req_id not in self._saved_blocks:
+                self._saved_blocks[req_id] = min(saved, request.num_prompt_tokens) // self.block_size
         pending = self._lookups.pop(req_id, None)
         if num_external_tokens == 0 or pending is None or not pending.locations:
             if pending is not None:

@@ -419,8 +419,8 @@ class TandemConfig(Struct, forbid_unknown_fields=True, frozen=True):
         again (2026-11-25: 29% of prompt tokens computed instead of 20%, TTFT p99 2x). With
         `save_outputs` a decode engine saves in every mode: the answers it generates are the
         part of a chat's next prompt that no prefill engine has computed. It writes only what
-        the tier lacks (the index grants slots for new blocks only), so the prompt blocks its
-        prefill engine saved cost it a lookup, not a copy."""
+        the tier lacks (the index grants slots for new blocks only), and of a prompt pulled
+        from a prefill engine that saves it, nothing: the router tells it so (TIER_SAVED)."""
         computing = self.prefilling_pools()
         tier = self.cpu_tier
         saving = computing | {"decode"} if tier.save_outputs else computing

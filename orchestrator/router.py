@@ -54,7 +54,7 @@ from typing import Any, Literal, get_args
 import msgspec
 from ray.exceptions import RayError
 
-from actors.kv_index import TIER_HINT
+from actors.kv_index import TIER_HINT, TIER_SAVED
 from actors.protocol import BlockUse, EngineRequest, Role, merge_deltas
 from actors.stream import EngineStreams, RemoteError, StreamLost
 from connectors.config import PREFILLED_TOKENS
@@ -724,6 +724,10 @@ class Router:
                     # whose prefill holds no KV for a decode) is an answer too.
                     if last is not None and (last.kv_transfer_params or (forward and _ends_request(last, request.sampling))):
                         trace.num_cached_tokens = last.num_cached_tokens or 0
+                        if engine.saves_tier and last.kv_transfer_params:
+                            # The engine saves the prompt it computed: the decode engine that
+                            # pulls it need not ask the tier about it again.
+                            last.kv_transfer_params[TIER_SAVED] = len(request.prompt_token_ids)
                         return last
                     logger.warning("prefill engine %s returned no KV transfer params for %s; decode recomputes",
                                    engine.engine_id, request.request_id)

@@ -294,6 +294,20 @@ def test_a_saving_engine_saves_the_blocks_its_generated_tokens_fill() -> None:
     assert planned_saves(False, steps, prompt) == [[100, 101], [], [], [], []]
 
 
+def test_a_decode_engine_leaves_the_pulled_prompt_to_the_prefill_engine_that_saves_it() -> None:
+    """TIER_SAVED: the prompt tokens the prefill engine computed and saves. The decode engine
+    that pulled them plans no save of their blocks (nor asks the index for slots for them),
+    only of the blocks its own tokens fill: with the prefill's token in its prompt
+    (routing.first_token: prefill), the block that token completes is its own."""
+    from actors.kv_index import TIER_SAVED
+
+    prompt = 2 * BS + 10
+    steps = [prompt, prompt + 1, 3 * BS - 1, 3 * BS, 4 * BS + 5]
+    assert planned_saves(True, steps, prompt, {TIER_SAVED: prompt}) == [[], [], [], [102], [103]]
+    assert planned_saves(False, steps, prompt, {TIER_SAVED: prompt}) == [[], [], [], [], []]
+    assert planned_saves(False, [2 * BS, 2 * BS + 1], 2 * BS, {TIER_SAVED: 2 * BS - 1}) == [[101], []]
+
+
 def test_a_request_that_keeps_the_tier_out_is_neither_saved_nor_looked_up(tier_scheduler: tuple[Any, Any]) -> None:
     """TIER_SKIP (an engine's warm-up prompt): no save planned, no lookup though the tier holds its prefix."""
     from actors.kv_index import TIER_SKIP

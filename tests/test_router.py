@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from vllm.outputs import RequestOutput
@@ -313,6 +314,22 @@ def test_a_failed_prefill_is_retried_on_another_prefill_replica() -> None:
     assert nonzero(router.stats.retries) == {"prefill_failed": 1}
     assert [r.engine.engine_id for r in reports] == ["p0"]
     assert router.pools["prefill"].pick().engine_id == "p1"  # type: ignore[union-attr]
+
+
+def test_a_decode_engine_is_told_which_pulled_tokens_its_prefill_engine_saves_to_the_tier() -> None:
+    """A prefill engine that saves to the CPU tier saves the prompt it computed; the decode
+    engine pulling it hears so (TIER_SAVED), under either first-token protocol. From a prefill
+    engine that does not save, nothing is said."""
+    from actors.kv_index import TIER_SAVED
+
+    for saves, first_token in ((True, "prefill"), (True, "decode"), (False, "prefill")):
+        p, d = FakeEngine("p"), FakeEngine("d")
+        prefill = msgspec.structs.replace(p.ref("prefill"), saves_tier=saves)
+        router, _ = routed([prefill, d.ref("decode")], first_token=first_token)
+        assert tokens(run(router)) == UNDISTURBED
+        params = d.requests[0].kv_transfer_params
+        assert params.get(TIER_SAVED) == (len(PROMPT) if saves else None), (saves, first_token, params)
+        assert params["remote_engine_id"] == "p"
 
 
 def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
