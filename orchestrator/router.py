@@ -317,15 +317,19 @@ class CoreNeighbours:
         for e in engines:
             if e.compute_cores or e.process_cores:
                 by_host.setdefault(e.node_ip, []).append(e)
-        # engine id -> the other engines computing on its cores / the decode engines stepping there.
+        # engine id -> the other engines computing on its cores / the decode engines stepping
+        # there / those of them whose forward passes run there (not only their processes).
         self.mates: dict[str, tuple[str, ...]] = {}
         self.decoders: dict[str, tuple[EngineRef, ...]] = {}
+        self.computing_decoders: dict[str, tuple[EngineRef, ...]] = {}
         for host in by_host.values():
             for e in host:
                 if mates := tuple(o.engine_id for o in host if e.shares_cores(o)):
                     self.mates[e.engine_id] = mates
                 if decoders := tuple(d for d in host if d.role == "decode" and e.steps_beside(d)):
                     self.decoders[e.engine_id] = decoders
+                if computing := tuple(d for d in decoders if e.shares_cores(d)):
+                    self.computing_decoders[e.engine_id] = computing
 
     def queued_beside(self, engine_id: str, queued: dict[str, float]) -> float:
         """The prompt tokens `queued` on the engines computing on `engine_id`'s cores: they take
@@ -446,18 +450,21 @@ class Router:
         their cores: the prompts queued on those engines (`CoreNeighbours`; the candidates' own
         queues and the decode engines' local prefills) and the decode engines decoding there,
         their forward passes or their processes (`EngineFacts.decoding_neighbours`,
-        `EngineRef.steps_beside`); and the prompts queued beside `decode` (0 without
-        one). The prefill pick and the disaggregation decider count the same ones, so a remote
-        prefill that the decider sent off because a replica with a core of its own would
-        answer sooner goes to that replica, not to the one taking turns with the decode
-        engine's local prefill or its decodes (docs/bench-results.md, runs 115-117 and 121-125)."""
+        `EngineRef.steps_beside`; the forward passes also in `EngineFacts.computing_neighbours`);
+        and the prompts queued beside `decode` (0 without one). The prefill pick and the
+        disaggregation decider count the same ones, so a remote prefill that the decider sent
+        off because a replica with a core of its own would answer sooner goes to that replica,
+        not to the one taking turns with the decode engine's local prefill or its decodes
+        (docs/bench-results.md, runs 115-117 and 121-125)."""
         near = self._neighbours
         queued = self._local_queued | {e.engine_id: f.queued_tokens for e, f in zip(candidates, facts)}
         out = []
         for e, f in zip(candidates, facts):
             beside = near.queued_beside(e.engine_id, queued)
-            decoding = sum(1 for d in near.decoders.get(e.engine_id, ()) if self._outstanding(d, self.pools["decode"]))
-            out.append(msgspec.structs.replace(f, queued_tokens=f.queued_tokens + beside, decoding_neighbours=decoding)
+            decoding = {d.engine_id for d in near.decoders.get(e.engine_id, ()) if self._outstanding(d, self.pools["decode"])}
+            computing = sum(1 for d in near.computing_decoders.get(e.engine_id, ()) if d.engine_id in decoding)
+            out.append(msgspec.structs.replace(f, queued_tokens=f.queued_tokens + beside, decoding_neighbours=len(decoding),
+                                               computing_neighbours=computing)
                        if beside or decoding else f)
         return out, near.queued_beside(decode.engine_id, queued) if decode is not None else 0.0
 

@@ -2,9 +2,8 @@
 
 Modelled on llm-d's scheduler: filters drop replicas that must not get the request, scorers
 give each remaining replica a score between 0 and 1, and the replica with the highest
-weighted sum wins (ties go to the one with fewer requests in flight, then round robin). The
-weights are `routing.scorers` in the config; a new scorer is one function in SCORERS and one
-field there.
+weighted sum wins (ties: `choose`). The weights are `routing.scorers` in the config; a new
+scorer is one function in SCORERS and one field there.
 
 The default weighs one scorer, `work`: the prompt tokens a replica has yet to compute before
 this request's first token, those of the requests queued on it plus this request's own not
@@ -62,6 +61,10 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # (1.2-1.6x a prompt token on a 2-core host, docs/bench-results.md, runs 122 and 124): each
     # counts its tokens ahead once more.
     decoding_neighbours: int = 0
+    # Those of them whose forward passes run on the replica's cores, not only their processes:
+    # the heavier neighbour (0.33 against 0.26 ms a prompt token beside the processes,
+    # docs/bench-results.md run 122), which `choose` breaks ties on.
+    computing_neighbours: int = 0
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -118,13 +121,17 @@ def score(facts: EngineFacts, prompt_tokens: int, cfg: RoutingConfig) -> float:
 
 
 def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
-    """The best candidate (`candidates` in round-robin order, so exact ties rotate), or None."""
+    """The best candidate, or None. Ties go to the replica with fewer decode engines computing
+    on its cores (`computing_neighbours`: with one decoding beside each, two replicas score
+    alike, but the one beside its forward passes rather than its processes computes a prompt
+    token 1.25x slower, docs/bench-results.md run 122), then to the one with fewer requests
+    in flight; exact ties rotate (`candidates` come in round-robin order)."""
     kept = list(candidates)
     for keep in FILTERS.values():
         kept = [f for f in kept if keep(f, cfg)] or kept  # a filter never leaves no one
     if not kept:
         return None
-    return max(kept, key=lambda f: (round(score(f, prompt_tokens, cfg), 9), -f.outstanding))
+    return max(kept, key=lambda f: (round(score(f, prompt_tokens, cfg), 9), -f.computing_neighbours, -f.outstanding))
 
 
 def tier_tokens(by_node: dict[str, int], node_id: str, cached_blocks: int, block_size: int) -> float:

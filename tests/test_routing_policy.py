@@ -423,8 +423,13 @@ def test_work_weighs_what_a_cache_saves_against_the_queue_ahead() -> None:
     dear_tier = RoutingConfig(policy="kv_aware", kv_load_cost=1.0)
     assert choose([facts("loads", tier=900), facts("idle", queued=100)], 1000, dear_tier).engine_id == "loads"
     assert choose([facts("loads", tier=900, queued=100), facts("idle")], 1000, dear_tier).engine_id == "idle"
-    # Equal scores go to the engine with fewer requests in flight.
+    # Equal scores go to the engine with fewer decode engines computing on its cores, then
+    # to the one with fewer requests in flight.
     assert choose([facts("a", 2), facts("b", 1)], 10, cfg).engine_id == "b"
+    beside_passes = msgspec.structs.replace(facts("a"), decoding_neighbours=1, computing_neighbours=1)
+    beside_processes = msgspec.structs.replace(facts("b", 1), decoding_neighbours=1)
+    for pair in ([beside_passes, beside_processes], [beside_processes, beside_passes]):
+        assert choose(pair, 10, cfg).engine_id == "b"
     # A nearly full KV cache is filtered out unless every engine is that full.
     full = facts("full", cached=1000, usage=0.99)
     assert choose([full, facts("other", outstanding=3, queued=3000)], 1000, cfg).engine_id == "other"
@@ -856,6 +861,45 @@ def test_a_prefill_goes_to_the_replica_whose_cores_no_decode_engine_is_decoding_
     assert len(p0.requests) == 1 and not p1.requests
 
 
+def test_a_fresh_prompt_goes_beside_the_decode_engines_processes_rather_than_its_forward_passes() -> None:
+    """2P1D on a 2-core host as placed: the decode engine computes on p0's core and runs its
+    processes on p1's. While it decodes, both replicas count it beside them and score a fresh
+    prompt alike, but p0 takes turns with its forward passes, 1.25x slower a prompt token than
+    p1 beside its processes (docs/bench-results.md, run 122): every fresh prompt goes to p1,
+    whatever else p1 has in flight. With the decode engine idle, p0 gets them again."""
+    p0, p1, decode = CachingEngine("p0"), CachingEngine("p1"), GatedEngine("d")
+    router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,), process_cores=(1,))],
+                    RoutingConfig(policy="kv_aware"))
+    fresh = [list(range(10_000 * k, 10_000 * k + 4 * BLOCK)) for k in range(1, 7)]
+
+    async def one(prompt: list[int], trace: RequestTrace) -> None:
+        async for _ in router.generate(EngineRequest(f"r{prompt[0]}", prompt, SamplingParams(max_tokens=2)), trace):
+            pass
+
+    async def go() -> None:
+        assert router.cache is not None
+        router.cache.sync()
+        await asyncio.sleep(0.05)
+        decode.gate.clear()
+        running = [asyncio.create_task(one(list(range(50_000, 50_000 + 20 * BLOCK)), RequestTrace()))]
+        while not router.pools["decode"].outstanding.get(decode.name):
+            await asyncio.sleep(0.005)
+        for prompt in fresh[:4]:  # each sent once the one before has its prefill
+            running.append(asyncio.create_task(one(prompt, trace := RequestTrace())))
+            while trace.t_prefill_done is None:
+                await asyncio.sleep(0.005)
+        decode.gate.set()
+        await asyncio.gather(*running)
+        for prompt in fresh[4:]:
+            await one(prompt, RequestTrace())
+        await router.close()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=10))
+    on = {name: [r.prompt_token_ids for r in e.requests] for name, e in (("p0", p0), ("p1", p1))}
+    assert all(prompt in on["p1"] and prompt not in on["p0"] for prompt in fresh[:4])
+    assert any(prompt in on["p0"] for prompt in fresh[4:])
+
+
 @pytest.mark.parametrize(("p1_holds", "process_cores", "expect"), [
     (False, (), "local:remote_costlier"),  # p0 beside its steps, p1 would compute the history
     (True, (), "remote:long_uncached"),  # p1 holds it too, on a core of its own
@@ -898,6 +942,7 @@ def test_core_neighbours_pair_the_engines_of_one_hosts_cores_once_per_table() ->
     near = CoreNeighbours([decode, *on, elsewhere, *gpus])
     assert near.mates == {"d": ("p0",), "p0": ("d",), "p1": ("p1b",), "p1b": ("p1",)}
     assert {eid: [d.engine_id for d in ds] for eid, ds in near.decoders.items()} == {"p0": ["d"], "p1": ["d"], "p1b": ["d"]}
+    assert {eid: [d.engine_id for d in ds] for eid, ds in near.computing_decoders.items()} == {"p0": ["d"]}
     queued = {"d": 5.0, "p0": 7.0, "p1": 11.0, "p1b": 13.0, "q": 17.0}
     assert [near.queued_beside(e, queued) for e in ("d", "p0", "p1", "p1b", "q", "g0")] == [7.0, 5.0, 13.0, 11.0, 0.0, 0.0]
     # Every pair the router reads agrees with the engines' own predicates.
@@ -905,6 +950,7 @@ def test_core_neighbours_pair_the_engines_of_one_hosts_cores_once_per_table() ->
     for e in refs:
         assert set(near.mates.get(e.engine_id, ())) == {o.engine_id for o in refs if e.shares_cores(o)}
         assert set(near.decoders.get(e.engine_id, ())) == {d for d in refs if d.role == "decode" and e.steps_beside(d)}
+        assert set(near.computing_decoders.get(e.engine_id, ())) == {d for d in refs if d.role == "decode" and e.shares_cores(d)}
 
 
 def test_decode_replicas_balance_on_the_kv_they_hold_before_prefix_affinity() -> None:
