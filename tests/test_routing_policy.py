@@ -10,7 +10,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -812,9 +812,12 @@ def test_an_engine_decoding_on_a_replicas_cores_counts_its_tokens_ahead_once_mor
     assert ahead_tokens(msgspec.structs.replace(alone, decoding_neighbours=2), 200, cfg) == 708
 
 
-def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]]) -> list[RequestTrace]:
+def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]],
+                      until: Callable[[RequestTrace], bool] = lambda t: t.disaggregation is not None,
+                      after: Sequence[list[int]] = ()) -> list[RequestTrace]:
     """Serves a 20-block prompt that ends up decoding on `decode` (held there by its gate),
-    then each prompt of `then` while it does, then opens the gate and lets them all end."""
+    then each prompt of `then` while it does, each once the one before is `until` (routed, by
+    default), then opens the gate, lets them all end and serves each prompt of `after` in turn."""
     traces: list[RequestTrace] = []
 
     async def one(prompt: list[int]) -> None:
@@ -832,10 +835,12 @@ def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]]
             await asyncio.sleep(0.005)
         for prompt in then:
             running.append(asyncio.create_task(one(prompt)))
-            while len(traces) < len(running) or traces[-1].disaggregation is None:
+            while len(traces) < len(running) or not until(traces[-1]):
                 await asyncio.sleep(0.005)
         decode.gate.set()
         await asyncio.gather(*running)
+        for prompt in after:
+            await one(prompt)
         await router.close()
 
     asyncio.run(asyncio.wait_for(go(), timeout=10))
@@ -871,30 +876,8 @@ def test_a_fresh_prompt_goes_beside_the_decode_engines_processes_rather_than_its
     router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,), process_cores=(1,))],
                     RoutingConfig(policy="kv_aware"))
     fresh = [list(range(10_000 * k, 10_000 * k + 4 * BLOCK)) for k in range(1, 7)]
-
-    async def one(prompt: list[int], trace: RequestTrace) -> None:
-        async for _ in router.generate(EngineRequest(f"r{prompt[0]}", prompt, SamplingParams(max_tokens=2)), trace):
-            pass
-
-    async def go() -> None:
-        assert router.cache is not None
-        router.cache.sync()
-        await asyncio.sleep(0.05)
-        decode.gate.clear()
-        running = [asyncio.create_task(one(list(range(50_000, 50_000 + 20 * BLOCK)), RequestTrace()))]
-        while not router.pools["decode"].outstanding.get(decode.name):
-            await asyncio.sleep(0.005)
-        for prompt in fresh[:4]:  # each sent once the one before has its prefill
-            running.append(asyncio.create_task(one(prompt, trace := RequestTrace())))
-            while trace.t_prefill_done is None:
-                await asyncio.sleep(0.005)
-        decode.gate.set()
-        await asyncio.gather(*running)
-        for prompt in fresh[4:]:
-            await one(prompt, RequestTrace())
-        await router.close()
-
-    asyncio.run(asyncio.wait_for(go(), timeout=10))
+    # Each sent once the one before has its prefill, so p1 has requests in flight but none queued.
+    _decode_busy_then(router, decode, fresh[:4], until=lambda t: t.t_prefill_done is not None, after=fresh[4:])
     on = {name: [r.prompt_token_ids for r in e.requests] for name, e in (("p0", p0), ("p1", p1))}
     assert all(prompt in on["p1"] and prompt not in on["p0"] for prompt in fresh[:4])
     assert any(prompt in on["p0"] for prompt in fresh[4:])
