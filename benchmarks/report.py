@@ -48,7 +48,16 @@ from benchmarks.phases import (
 from benchmarks.protocol import BenchReport, ClientResult, ScenarioReport, round_label
 from benchmarks.scenarios import Scenario
 from benchmarks.server_cpu import ServerCpu
-from benchmarks.stats import DEFAULT_ATTAINMENT_TARGET, Percentiles, RunSummary, goodput_from_sweep, percentile, summarize
+from benchmarks.stats import (
+    DEFAULT_ATTAINMENT_TARGET,
+    Percentiles,
+    RequestResult,
+    RunSummary,
+    goodput_from_sweep,
+    percentile,
+    percentiles_ms,
+    summarize,
+)
 
 SweepAxis = Literal["rate", "concurrency"]
 
@@ -573,6 +582,44 @@ def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
     return "\n".join(lines) + f"\n\nRatios are to {reference} (the first scenario listed) in the same round; every round sends the same requests to fresh deployments.\n"
 
 
+def route_label(r: RequestResult) -> str | None:
+    """Where a request ran, from its response headers: "prefill-1 → decode-0" for a remote
+    prefill, "decode-0 (local)" for one the decode engine computed, else the engine."""
+    if r.engine is None and r.prefill_engine is None:
+        return None
+    if r.prefill_engine is not None:
+        return f"{r.prefill_engine} → {r.engine or 'none'}"
+    local = r.disaggregation is not None and r.disaggregation.startswith("decision=local")
+    return f"{r.engine} (local)" if local else r.engine
+
+
+def route_table(scenarios: Sequence[ScenarioReport]) -> str:
+    """Each scenario's measured requests at its first rate (its rounds pooled), split by the
+    engines that served them (`route_label`): how many, and their TTFT and TPOT. It tells a
+    slow replica or a slow path from a slow policy. Empty unless some scenario used more than
+    one route."""
+    pooled: dict[str, list[RequestResult]] = {}
+    for s in scenarios:
+        if s.runs:
+            pooled.setdefault(s.scenario.name, []).extend(q for q in s.runs[0].requests if q.ok)
+    rows = []
+    for name, requests in pooled.items():
+        routes: dict[str, list[RequestResult]] = {}
+        for q in requests:
+            if (label := route_label(q)) is not None:
+                routes.setdefault(label, []).append(q)
+        if len(routes) < 2:
+            continue
+        for label, qs in sorted(routes.items()):
+            ttft = percentiles_ms([q.ttft for q in qs if q.ttft is not None])
+            tpot = percentiles_ms([q.tpot for q in qs if q.tpot is not None])
+            rows.append(f"| {name} | {label} | {len(qs)} | {_ms(ttft.p50)} / {_ms(ttft.mean)} / {_ms(ttft.p99)} | {_ms(tpot.p50)} |")
+    if not rows:
+        return ""
+    head = "| scenario | route | requests | TTFT p50 / mean / p99 (ms) | TPOT p50 (ms) |\n| --- | --- | ---: | ---: | ---: |\n"
+    return head + "\n".join(rows) + "\n\nRoutes as the responses' x-tandem-* headers name them; rounds pooled.\n"
+
+
 def fault_table(faults: Sequence[FaultReport]) -> str:
     """One column per fault scenario, each figure beside its goal (✓ met, ✗ missed); then the
     errors of the requests lost."""
@@ -632,6 +679,7 @@ def summary_markdown(report: BenchReport) -> str:
         (_fault_heading(report), fault_table(report.faults)),
         (f"## Routing policies (rate {o.rates[0]:g} req/s)\n", routing_table(report.scenarios)),
         (f"## {o.rounds} rounds, each scenario against the first of its round\n", rounds_table(report.scenarios)),
+        (f"## By route (rate {o.rates[0]:g} req/s): which engines served each request\n", route_table(report.scenarios)),
     )
     parts += [part for heading, table in sections if table for part in (heading, table)]
     return "\n".join(parts)

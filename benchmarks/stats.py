@@ -31,6 +31,12 @@ class RequestResult(msgspec.Struct, frozen=True):
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reported it
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     error: str | None = None  # why the request failed; None when it succeeded
+    # Where Tandem ran it (its x-tandem-* response headers; None from other servers): the
+    # engine that streamed the output, the one that prefilled it remotely, and the
+    # disaggregation decision (e.g. "decision=local;reason=short_uncached").
+    engine: str | None = None
+    prefill_engine: str | None = None
+    disaggregation: str | None = None
 
     @property
     def ok(self) -> bool:

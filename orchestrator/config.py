@@ -267,6 +267,16 @@ class ServeConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Engine flags belong in engine_args (a reasoning parser too: the ingress takes it from
     # the engines' config).
     openai_args: list[str] = []
+    # Every generative response names where it ran: X-Tandem-Engine (the engine that streamed
+    # its output), X-Tandem-Prefill-Engine (the one that prefilled it remotely) and
+    # X-Tandem-Disaggregation (remote or local, and why), one value per generation; the
+    # headers leave with the first output, once the engines are chosen. False: none (the
+    # engines' names stay inside the cluster).
+    route_headers: bool = True
+    # One INFO line per finished request in the ingress replica's log (logger
+    # tandem.requests): its id, tokens, engines, disaggregation decision and phase times, as
+    # vLLM's --enable-log-requests does for one engine.
+    log_requests: bool = False
 
 
 class CpuHostConfig(Struct, forbid_unknown_fields=True, frozen=True):

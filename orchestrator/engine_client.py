@@ -41,14 +41,16 @@ from orchestrator.router import (
 class Arrival:
     """One HTTP request as the HTTP layer (openai_app.RequestGate) sees it, set in
     REACHED_ROUTER: whether it reached the router (a client that leaves earlier, while vLLM
-    renders its request, is counted as aborted in phase "queued"), and the tasks consuming its
-    routed streams. vLLM runs a non-streaming handler in a task of its own that Serve's
-    cancellation of the request does not reach; the gate cancels these tasks, which aborts the
-    request on its engines."""
+    renders its request, is counted as aborted in phase "queued"), the tasks consuming its
+    routed streams, and the traces of its generations (one per prompt), whose engines its
+    response headers name. vLLM runs a non-streaming handler in a task of its own that
+    Serve's cancellation of the request does not reach; the gate cancels these tasks, which
+    aborts the request on its engines."""
 
     def __init__(self) -> None:
         self.routed = False
         self.consumers: list[asyncio.Task[Any]] = []
+        self.traces: list[RequestTrace] = []
         # Before vLLM's serving layer parses, renders and tokenizes it (RequestTrace.t_received).
         self.t = time.perf_counter()
 
@@ -106,10 +108,12 @@ class TandemEngineClient(EngineClient):
             generate_kwargs={k: v for k, v in forwarded.items() if v},
         )
         consumer: asyncio.Task[Any] = asyncio.current_task()  # type: ignore[assignment]
+        trace = RequestTrace(request_id)
         if (arrival := REACHED_ROUTER.get()) is not None:
             arrival.routed = True
             arrival.consumers.append(consumer)
-        trace = RequestTrace(t_received=None if arrival is None else arrival.t)
+            arrival.traces.append(trace)
+            trace.t_received = arrival.t
         kind = sampling_params.output_kind
         merged: RequestOutput | None = None
         num_out = 0

@@ -5,8 +5,9 @@ Every generative endpoint of `vllm serve` (/v1/chat/completions, /v1/completions
 request validation and error shapes; `orchestrator.engine_client` routes what they generate.
 Tandem adds what a front door of a cluster needs before any of that runs: a request body
 over `serve.max_request_bytes` is refused with 413 unread, a malformed X-Request-Id (it
-names the request in every engine's log) with 400; and /health and /metrics describe the
-pools instead of one engine.
+names the request in every engine's log) with 400; /health and /metrics describe the pools
+instead of one engine; and every generative response names the engines it ran on
+(`route_headers`), as llm-d's gateway names its endpoint in x-gateway-destination-endpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.config import ConfigError, TandemConfig
 from orchestrator.engine_client import REACHED_ROUTER, Arrival
+from orchestrator.router import RequestTrace
 
 # A client's own request id (header X-Request-Id, as vLLM's server takes it): it names the
 # request in every engine's logs, so it must be short and printable.
@@ -62,15 +64,32 @@ def frontend_args(cfg: TandemConfig, model_path: str, vllm_config: Any) -> argpa
     return args
 
 
+def route_headers(traces: Sequence[RequestTrace]) -> list[tuple[bytes, bytes]]:
+    """Where a response's generations ran, one comma-separated value per generation ("none"
+    where it has none): x-tandem-engine, the engine that streamed the output (the last, after
+    a migration); x-tandem-prefill-engine, the engine whose remote prefill it used;
+    x-tandem-disaggregation, the decision (RequestTrace.placement). A header no generation
+    has a value for is left out."""
+    values = {
+        b"x-tandem-engine": [t.output_engine for t in traces],
+        b"x-tandem-prefill-engine": [t.prefill_engine for t in traces],
+        b"x-tandem-disaggregation": [t.placement() for t in traces],
+    }
+    return [(name, ", ".join(v or "none" for v in vs).encode()) for name, vs in values.items() if any(vs)]
+
+
 class RequestGate:
     """ASGI middleware: 413 for a body over `max_bytes` (by its Content-Length, or as it is read
     when it has none), 400 for a malformed X-Request-Id; both before any parsing.
     `count(path, status)` sees every answer's status; `left_early()` every client that left
-    before its request reached the router (however the server tells that a client left)."""
+    before its request reached the router (however the server tells that a client left).
+    With `name_route`, a response's headers are held until its first body message (a stream's
+    first output: the engines are chosen by then) and leave with `route_headers`."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, count: Callable[[str, int], None],
-                 left_early: Callable[[], None]) -> None:
+                 left_early: Callable[[], None], *, name_route: bool) -> None:
         self.app, self.max_bytes, self.count, self.left_early = app, max_bytes, count, left_early
+        self.name_route = name_route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,14 +125,22 @@ class RequestGate:
             receive = _replay(b"".join(parts), receive)
 
         answered = left = False
+        arrival = Arrival()
+        held: Message | None = None
 
         async def tracked(message: Message) -> None:
-            nonlocal answered
+            nonlocal answered, held
             if left:
                 return  # nobody to answer (vLLM's cancelled handler still returns a body)
             if message["type"] == "http.response.start":
                 answered = True
                 self.count(path, message["status"])
+                if self.name_route:
+                    held = message
+                    return
+            elif held is not None:
+                start, held = held, None
+                await send({**start, "headers": [*start.get("headers", ()), *route_headers(arrival.traces)]})
             await send(message)
 
         async def watched() -> Message:
@@ -124,7 +151,6 @@ class RequestGate:
             left = left or (message["type"] == "http.disconnect" and not answered)
             return message
 
-        arrival = Arrival()
         reset = REACHED_ROUTER.set(arrival)
         try:
             await self.app(scope, watched, tracked)
@@ -196,5 +222,6 @@ def build_app(
     init_exception_handler(app)
     # No generate task here: vLLM's elastic-EP scaling middleware has nothing to scale.
     init_entrypoints_middleware(args, app, ())
-    app.add_middleware(RequestGate, max_bytes=cfg.serve.max_request_bytes, count=count, left_early=left_early)
+    app.add_middleware(RequestGate, max_bytes=cfg.serve.max_request_bytes, count=count, left_early=left_early,
+                       name_route=cfg.serve.route_headers)
     return app

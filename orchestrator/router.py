@@ -61,7 +61,7 @@ from connectors.config import PREFILLED_TOKENS
 from orchestrator.background import outlive
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
-from orchestrator.disaggregation import DECISIONS, Decision, decide
+from orchestrator.disaggregation import DECISIONS, Decision, Reason, decide
 from orchestrator.protocol import EngineRef
 from orchestrator.scoring import EngineFacts, ahead_tokens, choose, new_tokens, tier_tokens
 
@@ -223,8 +223,11 @@ class EnginePicker:
 
 
 class RequestTrace(msgspec.Struct):
-    """What happened to one request, for usage accounting and /metrics."""
+    """What happened to one request, for usage accounting, /metrics, its response headers
+    and the request log."""
 
+    # The client's request id (vLLM's, or its X-Request-Id).
+    request_id: str = ""
     # Prompt tokens the prefilling engine found in its own prefix cache.
     num_cached_tokens: int = 0
     # Disaggregated requests: prefilled on the prefill pool ("remote") or on the decode
@@ -236,6 +239,12 @@ class RequestTrace(msgspec.Struct):
     fallback: str | None = None
     # Times the request moved to another engine mid-stream.
     migrations: int = 0
+    # Where it ran, for its response headers and the request log: the prefill engine whose
+    # answer it used (a remote prefill), the engine streaming its output (the last one, after
+    # migrations), and why routing.disaggregation chose remote or local.
+    prefill_engine: str | None = None
+    output_engine: str | None = None
+    reason: Reason | None = None
     # The first token was the prefill engine's, streamed as it came (routing.first_token).
     first_from_prefill: bool = False
     # When the HTTP request reached the ingress (openai_app.RequestGate), before vLLM's
@@ -274,6 +283,32 @@ class RequestTrace(msgspec.Struct):
             if t is not None:
                 out[name], last = t - last, t
         return out
+
+    def placement(self) -> str | None:
+        """The disaggregation decision as it turned out, e.g. `decision=remote;reason=long_uncached`,
+        with `;fallback=prefill_timeout` when the disaggregated path was abandoned; None when
+        there was none to make (a colocated engine, a pinned pair)."""
+        parts = (("decision", self.disaggregation), ("reason", self.reason), ("fallback", self.fallback))
+        return ";".join(f"{k}={v}" for k, v in parts if v) or None
+
+    def describe(self, prompt_tokens: int, completion_tokens: int) -> str:
+        """The request in one line of the request log (serve.log_requests)."""
+        p, o = self.prefill_engine, self.output_engine
+        if p and o:
+            where = f"prefilled on {p}, streamed from {o}"
+        elif o:
+            where = f"served by {o}"
+        else:
+            where = f"answered by prefill engine {p}" if p else "served by no engine"
+        if self.disaggregation:
+            where += f" ({self.disaggregation}: {self.reason})"
+        if self.fallback:
+            where += f", off the disaggregated path ({self.fallback})"
+        if self.migrations:
+            where += f", moved to another engine {self.migrations}x mid-stream"
+        times = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in self.phases().items())
+        return (f"request {self.request_id}: {prompt_tokens} prompt tokens ({self.num_cached_tokens} cached), "
+                f"{completion_tokens} generated; {where}; {times}")
 
 
 def needs_cache_view(routing: RoutingConfig) -> bool:
@@ -576,7 +611,7 @@ class Router:
                                   prompt_logprobs=request.sampling.prompt_logprobs is not None,
                                   at_risk_tokens=at_risk)
         _count(self.stats.decisions, f"{decision}:{reason}")
-        trace.disaggregation = decision
+        trace.disaggregation, trace.reason = decision, reason
         return decision, new_tokens(n, cached, loaded, self.routing.kv_load_cost)
 
     def _stranded_tokens(self, decode: EngineRef, prompt: PromptKeys, candidates: Sequence[EngineRef],
@@ -731,6 +766,7 @@ class Router:
                     # whose prefill holds no KV for a decode) is an answer too.
                     if last is not None and (last.kv_transfer_params or (forward and _ends_request(last, request.sampling))):
                         trace.num_cached_tokens = last.num_cached_tokens or 0
+                        trace.prefill_engine = engine.engine_id
                         if engine.saves_tier and last.kv_transfer_params:
                             # The engine saves the prompt it computed: the decode engine that
                             # pulls it need not ask the tier about it again.
@@ -889,6 +925,7 @@ class Router:
             )
             if trace.t_decode_sent is None:
                 trace.t_decode_sent = time.perf_counter()
+            trace.output_engine = engine.engine_id
             serving, picker, serving_work = engine, self.pools[engine.role], work
             picker.acquire(serving, serving_work)
             try:

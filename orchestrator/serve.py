@@ -23,6 +23,7 @@ from ray import serve
 from ray.exceptions import RayError
 
 from actors.kv_index import index_actor_name
+from actors.logs import setup_logging
 from orchestrator.background import spawn
 from orchestrator.cache_view import CacheView
 from orchestrator.config import TandemConfig, parse_config
@@ -30,9 +31,11 @@ from orchestrator.http_server import DirectHTTP
 from orchestrator.metrics import TandemMetrics
 from orchestrator.models import resolve_local
 from orchestrator.protocol import DeploymentStatus
-from orchestrator.router import EngineFailure, Router, needs_cache_view
+from orchestrator.router import EngineFailure, RequestTrace, Router, needs_cache_view
 
 logger = logging.getLogger("tandem.serve")
+# serve.log_requests: one line per finished request.
+request_log = logging.getLogger("tandem.requests")
 
 
 class IngressArgs(msgspec.Struct, frozen=True):
@@ -62,6 +65,7 @@ class OpenAIIngress:
         from orchestrator.engine_client import TandemEngineClient
         from orchestrator.openai_app import SUPPORTED_TASKS, build_app, frontend_args
 
+        setup_logging()
         self.cfg: TandemConfig = parse_config(args.config)
         self.manager = ray.get_actor(args.manager, namespace=args.namespace)
         table = await self.manager.routing_table.remote(-1, 0)
@@ -84,7 +88,7 @@ class OpenAIIngress:
         self._watcher: asyncio.Task[None] | None = None
         # The engines' own configuration: this replica renders requests exactly as they run them.
         vllm_config = await table.engines[0].handle.vllm_config.remote()
-        self.client = TandemEngineClient(vllm_config, self.router, self.metrics.observe_trace)
+        self.client = TandemEngineClient(vllm_config, self.router, self._done)
         vllm_args = frontend_args(self.cfg, resolve_local(self.cfg.model.source), vllm_config)
         self.api = build_app(self.cfg, vllm_args, self.health, self.metrics_page, self._count,
                              lambda: self.router.note_abort("queued"))
@@ -103,6 +107,11 @@ class OpenAIIngress:
         self._watch_routing()
         if cache_view is not None:
             cache_view.sync()
+
+    def _done(self, trace: RequestTrace, prompt_tokens: int, completion_tokens: int) -> None:
+        self.metrics.observe_trace(trace, prompt_tokens, completion_tokens)
+        if self.cfg.serve.log_requests:
+            request_log.info("%s", trace.describe(prompt_tokens, completion_tokens))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.api

@@ -35,11 +35,11 @@ SERVE_RUN_PORT = 8000
 READY = re.compile(r"Tandem ready: serving 'tandem-tiny' \(1 prefill \+ 1 decode\) at (http://\S+/v1)")
 
 
-def write_config(tmp_path: Path) -> Path:
+def write_config(tmp_path: Path, **serve: object) -> Path:
     path = tmp_path / "tandem.yaml"
     cfg = {
         "engine_args": {"max_model_len": 512},
-        "serve": {"port": free_port()},
+        "serve": {"port": free_port(), **serve},
         "kv_transfer": {"side_channel_base_port": free_port(8)},
     }
     path.write_text(yaml.safe_dump(cfg))
@@ -96,12 +96,24 @@ def interrupt_leaving_nothing(proc: subprocess.Popen[bytes], what: str) -> int:
 
 
 def test_tandem_serve_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    """Also: with serve.log_requests, each request's line (engines, decision, phases) reaches
+    the console, and its response headers name the same engines."""
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(BIN / "tandem"), "serve", str(write_config(tmp_path))], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        proc = subprocess.Popen([str(BIN / "tandem"), "serve", str(write_config(tmp_path, log_requests=True))],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         url = wait_for(READY, log.read_text, 720, "the ready line").group(1)
         ask(url)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        raw = client.completions.with_raw_response.create(model="tandem-tiny", prompt="hello", max_tokens=4,
+                                                          extra_headers={"X-Request-Id": "logged-7"})
+        assert raw.parse().usage.completion_tokens == 4
+        assert (raw.headers["x-tandem-prefill-engine"], raw.headers["x-tandem-engine"]) == ("prefill-0", "decode-0")
+        assert raw.headers["x-tandem-disaggregation"] == "decision=remote;reason=always"
+        line = re.compile(r"tandem\.requests INFO request \S*logged-7\S*: \d+ prompt tokens \(\d+ cached\), 4 generated; "
+                          r"prefilled on prefill-0, streamed from decode-0 \(remote: always\); ingress [\d.]+ ms, prefill [\d.]+ ms")
+        wait_for(line, log.read_text, 60, "the request's log line")
         assert interrupt_leaving_nothing(proc, "tandem serve") == 0
     finally:
         if proc.poll() is None:

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from orchestrator.engine_client import REACHED_ROUTER
 from orchestrator.http_server import DirectHTTP
 from orchestrator.openai_app import RequestGate
+from orchestrator.router import RequestTrace
 from tests.conftest import free_port
 
 
@@ -113,7 +114,7 @@ def test_the_gate_counts_a_client_that_left_before_routing() -> None:
             pass
         return PlainTextResponse("for nobody")
 
-    gated = RequestGate(app, 1024, lambda p, s: counted.append((p, s)), lambda: left.append(1))
+    gated = RequestGate(app, 1024, lambda p, s: counted.append((p, s)), lambda: left.append(1), name_route=True)
 
     async def main() -> None:
         server = DirectHTTP(gated, "127.0.0.1", port)
@@ -133,5 +134,79 @@ def test_the_gate_counts_a_client_that_left_before_routing() -> None:
         await server.stop()
         assert left == [1]
         assert ok.status_code == 413 and counted == [("/v1/completions", 413)]
+
+    run(main)
+
+
+@pytest.mark.parametrize("name_route", [True, False])
+def test_a_streamed_response_names_its_engines_once_they_are_chosen(name_route: bool) -> None:
+    """A stream's headers leave before its body is produced, so the gate holds them until the
+    first chunk (the first output: the engines are chosen by then) and adds the route of each
+    generation the request made; serve.route_headers false leaves them out. The chunks still
+    stream one by one."""
+    port = free_port()
+    app = FastAPI()
+    second = asyncio.Event()
+
+    @app.post("/v1/completions")
+    async def generate() -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            arrival = REACHED_ROUTER.get()
+            assert arrival is not None
+            # As the engine client does when a generation starts: one remote, one local.
+            arrival.traces += [
+                RequestTrace("a", disaggregation="remote", reason="long_uncached", prefill_engine="prefill-1", output_engine="decode-0"),
+                RequestTrace("b", disaggregation="local", reason="short_uncached", output_engine="decode-0"),
+            ]
+            yield b"first "
+            await second.wait()
+            yield b"second"
+
+        return StreamingResponse(chunks())
+
+    gated = RequestGate(app, 1024, lambda p, s: None, lambda: None, name_route=name_route)
+
+    async def main() -> None:
+        server = DirectHTTP(gated, "127.0.0.1", port)
+        await server.start()
+        try:
+            async with httpx.AsyncClient() as client, client.stream("POST", f"http://127.0.0.1:{port}/v1/completions") as r:
+                body = r.aiter_bytes()
+                assert await anext(body) == b"first "  # streamed before the second exists
+                second.set()
+                assert [c async for c in body] == [b"second"]
+                headers = dict(r.headers)
+        finally:
+            await server.stop()
+        named = {k: v for k, v in headers.items() if k.startswith("x-tandem-")}
+        if not name_route:
+            assert named == {}
+            return
+        assert named == {
+            "x-tandem-engine": "decode-0, decode-0",
+            "x-tandem-prefill-engine": "prefill-1, none",
+            "x-tandem-disaggregation": "decision=remote;reason=long_uncached, decision=local;reason=short_uncached",
+        }
+
+    run(main)
+
+
+def test_a_response_with_no_generation_carries_no_route() -> None:
+    """/health, /metrics, /tokenize and refusals made no generation: no route headers, and
+    a refusal before any parsing is answered as before."""
+    port = free_port()
+    gated = RequestGate(named_app("a"), 1024, lambda p, s: None, lambda: None, name_route=True)
+
+    async def main() -> None:
+        server = DirectHTTP(gated, "127.0.0.1", port)
+        await server.start()
+        try:
+            async with httpx.AsyncClient() as client:
+                ok = await client.get(f"http://127.0.0.1:{port}/who")
+                big = await client.post(f"http://127.0.0.1:{port}/who", content=b"x" * 2048)
+        finally:
+            await server.stop()
+        assert ok.text == "a" and not any(k.startswith("x-tandem-") for k in ok.headers)
+        assert big.status_code == 413 and not any(k.startswith("x-tandem-") for k in big.headers)
 
     run(main)
