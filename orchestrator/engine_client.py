@@ -108,7 +108,7 @@ class TandemEngineClient(EngineClient):
             generate_kwargs={k: v for k, v in forwarded.items() if v},
         )
         consumer: asyncio.Task[Any] = asyncio.current_task()  # type: ignore[assignment]
-        trace = RequestTrace(request_id)
+        trace = RequestTrace()
         if (arrival := REACHED_ROUTER.get()) is not None:
             arrival.routed = True
             arrival.consumers.append(consumer)

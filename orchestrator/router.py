@@ -226,7 +226,7 @@ class RequestTrace(msgspec.Struct):
     """What happened to one request, for usage accounting, /metrics, its response headers
     and the request log."""
 
-    # The client's request id (vLLM's, or its X-Request-Id).
+    # The client's request id (vLLM's, or its X-Request-Id), as Router.generate got it.
     request_id: str = ""
     # Prompt tokens the prefilling engine found in its own prefix cache.
     num_cached_tokens: int = 0
@@ -660,7 +660,7 @@ class Router:
         when a pinned engine fails.
         """
         trace.t_arrival = trace.t_arrival or time.perf_counter()
-        client_id = request.request_id
+        client_id = trace.request_id = request.request_id
         # Engines know the request by a name of its own (clients may reuse an X-Request-Id,
         # and an engine aborts by name): the client's id plus 8 random characters, as vLLM does.
         request = msgspec.structs.replace(request, request_id=f"{client_id}-{uuid.uuid4().hex[:8]}")

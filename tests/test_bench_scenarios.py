@@ -460,6 +460,27 @@ def test_the_routing_table_gives_token_shares_per_policy_and_says_how_to_read_th
     assert table.rstrip().endswith("and the decode engine's own hit may both count).")
 
 
+def test_the_route_table_pools_rounds_and_splits_requests_by_the_engines_that_served_them() -> None:
+    from benchmarks.report import route_table
+
+    def routed(run: RunResult, *routes: tuple[str | None, str | None, str | None]) -> RunResult:
+        requests = [msgspec.structs.replace(q, engine=e, prefill_engine=p, disaggregation=d) for q, (e, p, d) in zip(run.requests, routes)]
+        return msgspec.structs.replace(run, requests=requests)
+
+    local = ("decode-0", None, "decision=local;reason=short_uncached")
+    remote = ("decode-0", "prefill-1", "decision=remote;reason=long_uncached")
+    scenario = parse_scenario("2p1d@kv_aware+conditional")
+    rounds = [ScenarioReport(scenario, 60.0, [routed(_run("c", 1.0, ttft, 0.002), local, remote, local)], round=r)
+              for r, ttft in ((0, 0.05), (1, 0.07))]
+    one_route = ScenarioReport(parse_scenario("1p1d"), 60.0, [routed(_run("1p1d", 1.0, 0.05, 0.002), *[remote] * 3)])
+    table = route_table([*rounds, one_route])
+    assert "| 2p1d@kv_aware+conditional | decode-0 (local) | 4 | 60.0 / 60.0 / 70.0 | 2.0 |" in table, table
+    assert "| 2p1d@kv_aware+conditional | prefill-1 → decode-0 | 2 | 60.0 / 60.0 / 69.8 | 2.0 |" in table, table
+    assert "1p1d |" not in table  # one route: nothing to split
+    # Another server's responses name no engine: no table.
+    assert route_table([ScenarioReport(scenario, 60.0, [_run("vllm-server", 1.0, 0.05, 0.002)])]) == ""
+
+
 def test_vllm_comparison_says_within_20_percent_or_gives_the_measured_overhead() -> None:
     overhead = Overhead(1.0, PathFigures(30.0, 30.0, 2.0, 50.0, {}), PathFigures(12.0, 12.0, 2.0, 32.0, {}))
     tandem = ScenarioReport(parse_scenario("colocated:1"), 60.0, [_run("colocated:1", 1.0, 0.030, 0.0021)], overhead=[overhead])

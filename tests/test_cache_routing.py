@@ -89,10 +89,16 @@ def finished_on(up: Running, pool: str) -> dict[str, float]:
 
 
 def complete(up: Running, ids: list[int]) -> openai.types.Completion:
+    return complete_routed(up, ids)[0]
+
+
+def complete_routed(up: Running, ids: list[int]) -> tuple[openai.types.Completion, dict[str, str]]:
+    """The completion and its route headers (x-tandem-*)."""
     client = openai.OpenAI(base_url=up.url, api_key="-", max_retries=0, timeout=120)
-    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0.0)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0.0)
+    out = raw.parse()
     assert out.choices[0].finish_reason == "length"
-    return out
+    return out, {k: v for k, v in raw.headers.items() if k.startswith("x-tandem-")}
 
 
 def test_two_ingress_replicas_serve(pd: Running) -> None:
@@ -155,9 +161,11 @@ def test_a_repeated_prefix_is_prefilled_where_it_is_cached(pd: Running) -> None:
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     time.sleep(3.0)  # the engines' events reach both ingress replicas (ms when idle, longer on a loaded host)
     before = prefill_tokens(pd)
+    named = []
     for i in range(8):  # the kernel spreads these over both ingress replicas
-        out = complete(pd, shared + prompt(100 + i, 100))  # 100 new tokens: worth a remote prefill
+        out, route = complete_routed(pd, shared + prompt(100 + i, 100))  # 100 new tokens: worth a remote prefill
         assert out.usage.prompt_tokens_details.cached_tokens >= 256, (i, out.usage, prefill_tokens(pd))
+        named.append(route.get("x-tandem-prefill-engine"))
         # With the CPU tier, the other engine would load the prefix at a tenth of its cost, so
         # any queue on the holder sends the repeat there, and each router counts the other's
         # requests as of the engine's last report: let the reports of this one land first.
@@ -169,6 +177,7 @@ def test_a_repeated_prefix_is_prefilled_where_it_is_cached(pd: Running) -> None:
     # Every repeat hit the prefix on one engine; the other computed none of them.
     assert hits[holder] >= 8 * 256, (hits, computed)
     assert all(computed[e] == 0 and hits[e] == 0 for e in after if e != holder), (computed, hits)
+    assert named == [holder] * 8, (named, hits)  # and each response named it
 
 
 def test_evicted_blocks_leave_the_view(pd: Running) -> None:
@@ -336,14 +345,20 @@ def test_conditional_prefills_short_prompts_on_the_decode_engine(pd: Running) ->
     # Short enough to stay local even while the decode engine's report of the previous request
     # is a moment stale (the budget is uncached tokens x requests held up there).
     short = LOCAL_MAX // 2 - 4
+    decode = [e.engine_id for e in pd.deployment.routing_engines() if e.role == "decode"]
+    prefill = {e.engine_id for e in pd.deployment.routing_engines() if e.role == "prefill"}
     for i in range(4):
-        out = complete(pd, prompt(40 + i, short))
+        out, route = complete_routed(pd, prompt(40 + i, short))
         assert out.usage.prompt_tokens == short
+        # The response says so: the decode engine computed it, no prefill engine did.
+        assert route == {"x-tandem-engine": decode[0], "x-tandem-disaggregation": "decision=local;reason=short_uncached"}
     assert sum(finished_on(pd, "prefill").values()) == before, "a short prompt went to the prefill pool"
     # Long and uncached: remote. The decision counters are per ingress replica, so both
     # replicas' counts are read by scraping until each has been seen.
-    complete(pd, prompt(60, 400))
+    _, route = complete_routed(pd, prompt(60, 400))
     assert sum(finished_on(pd, "prefill").values()) == before + 1
+    assert route["x-tandem-prefill-engine"] in prefill and route["x-tandem-engine"] == decode[0], route
+    assert route["x-tandem-disaggregation"] == "decision=remote;reason=long_uncached"
     seen: dict[str, float] = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (seen.get("local:short_uncached") and seen.get("remote:long_uncached")):
@@ -419,3 +434,32 @@ def test_cached_tokens_on_the_local_path(pd: Running) -> None:
     out = complete(pd, shared + [5] * 20)  # 20 new tokens: local, on the decode engine's cache
     assert out.usage.prompt_tokens == 320
     assert out.usage.prompt_tokens_details.cached_tokens >= 256, out.usage
+
+
+def test_the_bench_load_generator_records_each_requests_route(pd: Running) -> None:
+    """`tandem bench`'s load generator reads the route headers, and its report splits the
+    requests by route: short prompts local on the decode engine, long ones through a prefill
+    engine."""
+    from benchmarks.loadgen import run_load
+    from benchmarks.report import route_table
+    from benchmarks.scenarios import parse_scenario
+    from benchmarks.protocol import ScenarioReport
+    from benchmarks.workloads import BenchRequest
+
+    short = [BenchRequest(f"short {i}", 2) for i in range(3)]  # 6 tokens: local
+    long = [BenchRequest(f"route check {i} " + " ".join(f"w{i}{k}" for k in range(80)), 2) for i in range(2)]  # ~300
+    run = asyncio.run(run_load(pd.url.removesuffix("/v1"), MODEL, [*short, *long], concurrency=1, progress=False))
+    assert run.summary.num_completed == 5, run.summary.errors
+    decode = next(e.engine_id for e in pd.deployment.routing_engines() if e.role == "decode")
+    prefill = {e.engine_id for e in pd.deployment.routing_engines() if e.role == "prefill"}
+    by_index = {q.index: q for q in run.requests}
+    for i in range(3):
+        q = by_index[i]
+        assert (q.engine, q.prefill_engine, q.disaggregation) == (decode, None, "decision=local;reason=short_uncached"), q
+    for i in (3, 4):
+        q = by_index[i]
+        assert q.engine == decode and q.prefill_engine in prefill, q
+        assert q.disaggregation == "decision=remote;reason=long_uncached", q
+    table = route_table([ScenarioReport(parse_scenario("2p1d@kv_aware+conditional"), 60.0, [run])])
+    assert f"| 2p1d@kv_aware+conditional | {decode} (local) | 3 |" in table, table
+    assert sum(f"| 2p1d@kv_aware+conditional | {p} → {decode} |" in table for p in prefill) >= 1, table

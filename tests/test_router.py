@@ -342,6 +342,8 @@ def test_a_prefill_past_its_timeout_is_aborted_and_retried_elsewhere() -> None:
     assert d.requests[0].kv_transfer_params == {"remote_engine_id": "p1", PREFILLED_TOKENS: len(PROMPT)}
     assert nonzero(router.stats.retries) == {"prefill_timeout": 1}
     assert reports == []  # slow is not dead: it stays in routing
+    # The route names the replica whose prefill was used, not the one abandoned.
+    assert (trace.prefill_engine, trace.output_engine, trace.placement()) == ("p1", "d", "decision=remote;reason=always")
 
 
 def test_with_no_prefill_replica_left_the_decode_engine_prefills_itself() -> None:
@@ -351,6 +353,9 @@ def test_with_no_prefill_replica_left_the_decode_engine_prefills_itself() -> Non
     assert tokens(run(router, trace=trace)) == UNDISTURBED
     assert trace.fallback == "prefill_failed" and d.requests[0].kv_transfer_params is None
     assert nonzero(router.stats.fallbacks) == {"prefill_failed": 1}
+    assert (trace.prefill_engine, trace.output_engine) == (None, "d")
+    assert trace.placement() == "decision=remote;reason=always;fallback=prefill_failed"
+    assert "served by d (remote: always), off the disaggregated path (prefill_failed)" in trace.describe(len(PROMPT), 8)
 
 
 def test_an_input_the_engine_rejects_is_not_retried() -> None:
@@ -374,6 +379,10 @@ def test_a_decode_engine_dying_mid_stream_hands_the_rest_to_another_decode_repli
     assert resumed.sampling.max_tokens == 4 and resumed.kv_transfer_params is None
     assert trace.migrations == 1 and router.stats.migrations == 1
     assert [r.engine.engine_id for r in reports] == ["d0"]
+    line = trace.describe(len(PROMPT), 8)  # the request log names the engine it ended on
+    assert (trace.prefill_engine, trace.output_engine) == ("p", "d1")
+    assert line.startswith(f"request r: {len(PROMPT)} prompt tokens (0 cached), 8 generated; prefilled on p, streamed from d1 ")
+    assert "moved to another engine 1x mid-stream" in line and re.search(r"; prefill [\d.]+ ms, first_token [\d.]+ ms", line), line
 
 
 def test_with_no_decode_replica_left_a_prefill_engine_serves_the_rest() -> None:

@@ -162,6 +162,21 @@ def test_streamed_chat_equals_non_streamed(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_responses_name_their_engines_behind_serves_proxy_streamed_or_not(client: openai.OpenAI) -> None:
+    """The route headers leave with the first output, through Serve's proxy too; a list of
+    prompts gets one value per prompt, in order."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "where did this run"}], max_tokens=4, temperature=0)
+    with client.chat.completions.with_streaming_response.create(**kw, stream=True) as streamed:
+        assert streamed.headers["x-tandem-engine"] == "decode-0"
+        assert streamed.headers["x-tandem-prefill-engine"] == "prefill-0"
+        assert streamed.headers["x-tandem-disaggregation"] == "decision=remote;reason=always"
+        assert [c.choices[0].finish_reason for c in streamed.parse() if c.choices][-1] == "length"
+    two = client.completions.with_raw_response.create(model=MODEL, prompt=["one", "two"], max_tokens=2)
+    assert len(two.parse().choices) == 2
+    assert two.headers["x-tandem-engine"] == "decode-0, decode-0"
+    assert two.headers["x-tandem-prefill-engine"] == "prefill-0, prefill-0"
+
+
 def test_cached_tokens_reported_for_a_repeated_prompt(client: openai.OpenAI) -> None:
     prompt = random_prompt(random.Random(99), 300)
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
