@@ -63,7 +63,7 @@ from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, Reason, decide
 from orchestrator.protocol import EngineRef
-from orchestrator.scoring import EngineFacts, ahead_tokens, choose, new_tokens, tier_tokens
+from orchestrator.scoring import EngineFacts, ahead_tokens, choose, new_tokens, score, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
@@ -245,6 +245,8 @@ class RequestTrace(msgspec.Struct):
     prefill_engine: str | None = None
     output_engine: str | None = None
     reason: Reason | None = None
+    # kv_aware's score of each engine it chose among for this request (the higher won).
+    scores: dict[str, float] = {}
     # The first token was the prefill engine's, streamed as it came (routing.first_token).
     first_from_prefill: bool = False
     # When the HTTP request reached the ingress (openai_app.RequestGate), before vLLM's
@@ -306,6 +308,9 @@ class RequestTrace(msgspec.Struct):
             where += f", off the disaggregated path ({self.fallback})"
         if self.migrations:
             where += f", moved to another engine {self.migrations}x mid-stream"
+        if self.scores:
+            ranked = sorted(self.scores.items(), key=lambda item: -item[1])
+            where += " [scores " + ", ".join(f"{e} {s:.3f}" for e, s in ranked) + "]"
         times = ", ".join(f"{name} {1000 * s:.1f} ms" for name, s in self.phases().items())
         return (f"request {self.request_id}: {prompt_tokens} prompt tokens ({self.num_cached_tokens} cached), "
                 f"{completion_tokens} generated; {where}; {times}")
@@ -456,8 +461,10 @@ class Router:
     def _output_pool(self) -> EnginePicker:
         return self.pools["decode" if self.disaggregated else "both"]
 
-    async def _pick(self, picker: EnginePicker, prompt: PromptKeys | None, exclude: Collection[str] = ()) -> EngineRef | None:
-        """The pool's engine for a request by the routing policy, or None when none is healthy."""
+    async def _pick(self, picker: EnginePicker, prompt: PromptKeys | None, exclude: Collection[str] = (),
+                    trace: RequestTrace | None = None) -> EngineRef | None:
+        """The pool's engine for a request by the routing policy, or None when none is healthy;
+        kv_aware's score of each candidate goes to `trace.scores`."""
         if self.routing.policy != "kv_aware" or prompt is None or self.cache is None:
             engine = picker.pick(exclude)
         else:
@@ -477,6 +484,8 @@ class Router:
                 facts, _ = self._on_shared_cores(candidates, facts)
             best = choose(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
+            if trace is not None:
+                trace.scores |= {f.engine_id: score(f, len(prompt.token_ids), self.routing) for f in facts}
         return engine
 
     def _on_shared_cores(self, candidates: Sequence[EngineRef], facts: Sequence[EngineFacts],
@@ -679,7 +688,7 @@ class Router:
             first = decode_engine
             if self.disaggregated:
                 if first is None:
-                    first = await self._pick(self._output_pool(), prompt)
+                    first = await self._pick(self._output_pool(), prompt, trace=trace)
                 decision: Decision = "remote"
                 uncached = 0.0
                 forward = (prefill_engine is None and self.routing.first_token == "prefill"
@@ -738,7 +747,7 @@ class Router:
         reason = "no_prefill_engine"
         try:
             for attempt in range(attempts):
-                engine = pinned or await self._pick(picker, prompt, tried)
+                engine = pinned or await self._pick(picker, prompt, tried, trace)
                 if engine is None:
                     break
                 work = self._claim(engine, prompt)

@@ -857,9 +857,12 @@ def test_a_prefill_goes_to_the_replica_whose_cores_no_decode_engine_is_decoding_
     router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,))],
                     RoutingConfig(policy="kv_aware"))
     prompt = held + list(range(6_000, 6_000 + 3 * BLOCK))
-    _decode_busy_then(router, decode, [prompt])
+    [_, trace] = _decode_busy_then(router, decode, [prompt])
     assert [r.prompt_token_ids for r in p1.requests][-1] == prompt
     assert not any(r.prompt_token_ids == prompt for r in p0.requests)
+    # The request log's scores say why: p1's beat p0's.
+    assert set(trace.scores) == {"p0", "p1"} and trace.scores["p1"] > trace.scores["p0"], trace.scores
+    assert f"[scores p1 {trace.scores['p1']:.3f}, p0 {trace.scores['p0']:.3f}]" in trace.describe(len(prompt), 2)  # best first
     p0.requests.clear()
     p1.requests.clear()
     serve_one(router, held + list(range(7_000, 7_000 + 3 * BLOCK)), RequestTrace())
