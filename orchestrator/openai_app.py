@@ -83,8 +83,9 @@ class RequestGate:
     when it has none), 400 for a malformed X-Request-Id; both before any parsing.
     `count(path, status)` sees every answer's status; `left_early()` every client that left
     before its request reached the router (however the server tells that a client left).
-    With `name_route`, a response's headers are held until its first body message (a stream's
-    first output: the engines are chosen by then) and leave with `route_headers`."""
+    With `name_route`, a response's headers are held until its engines are chosen (a stream's
+    first output; what a stream sends before that, such as /v1/responses' `response.created`,
+    waits with them) or its body ends, and leave with `route_headers`."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, count: Callable[[str, int], None],
                  left_early: Callable[[], None], *, name_route: bool) -> None:
@@ -126,21 +127,28 @@ class RequestGate:
 
         answered = left = False
         arrival = Arrival()
-        held: Message | None = None
+        held: list[Message] = []  # the response's start, then what followed it, until its route is known
 
         async def tracked(message: Message) -> None:
-            nonlocal answered, held
+            nonlocal answered
             if left:
                 return  # nobody to answer (vLLM's cancelled handler still returns a body)
             if message["type"] == "http.response.start":
                 answered = True
                 self.count(path, message["status"])
                 if self.name_route:
-                    held = message
+                    held.append(message)
                     return
-            elif held is not None:
-                start, held = held, None
+            elif held:
+                held.append(message)
+                if message.get("more_body") and not any(t.output_engine or t.prefill_engine for t in arrival.traces):
+                    return  # e.g. /v1/responses' response.created, streamed before any engine is chosen
+                start, *rest = held
+                held.clear()
                 await send({**start, "headers": [*start.get("headers", ()), *route_headers(arrival.traces)]})
+                for m in rest:
+                    await send(m)
+                return
             await send(message)
 
         async def watched() -> Message:

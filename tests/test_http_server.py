@@ -153,7 +153,9 @@ def test_a_streamed_response_names_its_engines_once_they_are_chosen(name_route: 
         async def chunks() -> AsyncIterator[bytes]:
             arrival = REACHED_ROUTER.get()
             assert arrival is not None
-            # As the engine client does when a generation starts: one remote, one local.
+            yield b"created "  # as /v1/responses streams response.created before generating
+            # As the engine client does when a generation starts, and the router once it has
+            # chosen: one remote, one local.
             arrival.traces += [
                 RequestTrace("a", disaggregation="remote", reason="long_uncached", prefill_engine="prefill-1", output_engine="decode-0"),
                 RequestTrace("b", disaggregation="local", reason="short_uncached", output_engine="decode-0"),
@@ -172,9 +174,11 @@ def test_a_streamed_response_names_its_engines_once_they_are_chosen(name_route: 
         try:
             async with httpx.AsyncClient() as client, client.stream("POST", f"http://127.0.0.1:{port}/v1/completions") as r:
                 body = r.aiter_bytes()
-                assert await anext(body) == b"first "  # streamed before the second exists
+                early = await anext(body)
+                while not early.endswith(b"first "):  # streamed before the second exists
+                    early += await anext(body)
                 second.set()
-                assert [c async for c in body] == [b"second"]
+                assert early == b"created first " and [c async for c in body] == [b"second"]
                 headers = dict(r.headers)
         finally:
             await server.stop()

@@ -175,6 +175,11 @@ def test_responses_name_their_engines_behind_serves_proxy_streamed_or_not(client
     assert len(two.parse().choices) == 2
     assert two.headers["x-tandem-engine"] == "decode-0, decode-0"
     assert two.headers["x-tandem-prefill-engine"] == "prefill-0, prefill-0"
+    # /v1/responses streams response.created before the request is routed: it waits for the route.
+    with client.responses.with_streaming_response.create(model=MODEL, input="where", max_output_tokens=4, stream=True) as events:
+        assert (events.headers["x-tandem-prefill-engine"], events.headers["x-tandem-engine"]) == ("prefill-0", "decode-0")
+        kinds = [e.type for e in events.parse()]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed", kinds
 
 
 def test_cached_tokens_reported_for_a_repeated_prompt(client: openai.OpenAI) -> None:
