@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import Literal
 
 from orchestrator.config import RoutingConfig
-from orchestrator.scoring import new_tokens
+from orchestrator.scoring import EngineFacts, new_tokens, queue_tokens
 
 Decision = Literal["remote", "local"]
 # always / never: the configured mode; short_uncached: little of the prompt is left to compute
@@ -69,6 +69,15 @@ DECISIONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "long_uncached"), ("remote", "prefill_sooner"), ("local", "prompt_logprobs"),
     ("remote", "stranded_history"),
 )
+
+
+def remote_ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
+    """`prefill_ahead_tokens` for replica `f`: its `queue_tokens`, counted once more for each
+    decode engine decoding beside it (forward passes or processes). Against the decode
+    engine's own prefill, a replica beside its steps computed a prompt token 1.6-2.1x slower
+    (0.26-0.33 against 0.16 ms, docs/bench-results.md run 122), and it was this price that
+    kept the short chats' tail local (runs 123-125)."""
+    return queue_tokens(f, n, cfg) * (1 + f.decoding_neighbours)
 
 
 def decide(

@@ -61,9 +61,9 @@ from connectors.config import PREFILLED_TOKENS
 from orchestrator.background import outlive
 from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
-from orchestrator.disaggregation import DECISIONS, Decision, Reason, decide
+from orchestrator.disaggregation import DECISIONS, Decision, Reason, decide, remote_ahead_tokens
 from orchestrator.protocol import EngineRef
-from orchestrator.scoring import EngineFacts, ahead_tokens, choose, new_tokens, score, tier_tokens
+from orchestrator.scoring import EngineFacts, choose, new_tokens, score, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
@@ -608,7 +608,7 @@ class Router:
             candidates = picker.candidates()
             facts = [self._facts(e, picker, prompt, tier, self.cache.cached_tokens(e, prompt)) for e in candidates]
             facts, beside = self._on_shared_cores(candidates, facts, decode)
-            ahead = min((ahead_tokens(f, n, self.routing) for f in facts), default=None)
+            ahead = min((remote_ahead_tokens(f, n, self.routing) for f in facts), default=None)
             queued += beside
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
         held_up = self._outstanding(decode, self._output_pool())

@@ -58,12 +58,13 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # Decode engines with requests in flight whose forward passes or processes run on the
     # replica's cores (EngineRef.steps_beside; none on GPUs): they step with every token and
     # take turns with the replica's forward passes there, which stretches its prefill
-    # (1.2-1.6x a prompt token on a 2-core host, docs/bench-results.md, runs 122 and 124): each
-    # counts its tokens ahead once more.
+    # (1.2-1.6x a prompt token on a 2-core host, docs/bench-results.md, runs 122 and 124;
+    # `ahead_tokens`).
     decoding_neighbours: int = 0
     # Those of them whose forward passes run on the replica's cores, not only their processes:
     # the heavier neighbour (0.33 against 0.26 ms a prompt token beside the processes,
-    # docs/bench-results.md run 122), which `choose` breaks ties on.
+    # docs/bench-results.md run 122), which `ahead_tokens` prices higher and `choose` breaks
+    # exact ties on.
     computing_neighbours: int = 0
 
 
@@ -82,12 +83,29 @@ def _share(tokens: float, prompt_tokens: int) -> float:
     return min(1.0, tokens / prompt_tokens) if prompt_tokens > 0 else 0.0
 
 
+# How much longer a replica computes a prompt token while a decode engine decodes beside it,
+# over the same replica alone: beside the decode engine's forward passes (its compute cores)
+# 1.6x, beside only its processes (the actor, vLLM's front end, the token path) 1.2-1.4x
+# (docs/bench-results.md, runs 122 and 124: 0.326 against 0.204 ms, 0.259 against 0.212,
+# 0.267 against 0.188). None on GPUs, where no engine's cores overlap another's.
+BESIDE_FORWARD_PASSES = 0.6
+BESIDE_PROCESSES = 0.3
+
+
+def queue_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
+    """The prompt tokens the replica has to compute before the first token of a request of
+    `n` prompt tokens: those queued on it, then the request's own (`new_tokens`)."""
+    return f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
+
+
 def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
-    """The tokens the replica computes before the first token of a request of `n` prompt
-    tokens: those queued on it, then the request's own (`new_tokens`), in the time it takes
-    to compute them alone: each engine decoding on its cores counts them once more."""
-    own = f.queued_tokens + new_tokens(n, f.cached_tokens, f.loaded_tokens, cfg.kv_load_cost)
-    return own * (1 + f.decoding_neighbours)
+    """`queue_tokens` in the time the replica takes to compute them alone: stretched for each
+    decode engine decoding beside it, by its forward passes or only its processes. Between
+    replicas of one pool only the rate differs (the request's way to them and its KV's from
+    them are alike), so the measured rates apply; the disaggregation decider, which sets a
+    replica against the decode engine itself, prices them its own way."""
+    processes = f.decoding_neighbours - f.computing_neighbours
+    return queue_tokens(f, n, cfg) * (1 + BESIDE_FORWARD_PASSES * f.computing_neighbours + BESIDE_PROCESSES * processes)
 
 
 def _work(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:

@@ -26,10 +26,10 @@ from actors.protocol import BlockUse, CacheUpdate, EchoedUse, EngineRequest
 from connectors.config import PREFILLED_TOKENS
 from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
-from orchestrator.disaggregation import decide
+from orchestrator.disaggregation import decide, remote_ahead_tokens
 from orchestrator.protocol import EngineRef
 from orchestrator.router import CoreNeighbours, RequestTrace, Router
-from orchestrator.scoring import EngineFacts, ahead_tokens, choose, score, tier_tokens
+from orchestrator.scoring import EngineFacts, ahead_tokens, choose, queue_tokens, score, tier_tokens
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
@@ -804,12 +804,33 @@ def test_a_remote_prefill_goes_to_the_replica_that_does_not_share_the_local_pref
     assert router._local_queued == {}
 
 
-def test_an_engine_decoding_on_a_replicas_cores_counts_its_tokens_ahead_once_more() -> None:
+def test_an_engine_decoding_on_a_replicas_cores_stretches_its_tokens_ahead_by_the_measured_rate() -> None:
+    """Between replicas: 1.6x beside a decode engine's forward passes, 1.3x beside only its
+    processes. Against the decode engine's own prefill (the decider): once more for each."""
     cfg = RoutingConfig()
     alone = EngineFacts("p", 0, 64, 0.0, 0.0, queued_tokens=100)
-    assert ahead_tokens(alone, 200, cfg) == 236  # 100 queued + 136 of its own
-    assert ahead_tokens(msgspec.structs.replace(alone, decoding_neighbours=1), 200, cfg) == 472
-    assert ahead_tokens(msgspec.structs.replace(alone, decoding_neighbours=2), 200, cfg) == 708
+    beside_processes = msgspec.structs.replace(alone, decoding_neighbours=1)
+    beside_passes = msgspec.structs.replace(alone, decoding_neighbours=1, computing_neighbours=1)
+    beside_both = msgspec.structs.replace(alone, decoding_neighbours=2, computing_neighbours=1)
+    assert queue_tokens(alone, 200, cfg) == ahead_tokens(alone, 200, cfg) == 236  # 100 queued + 136 of its own
+    assert [round(ahead_tokens(f, 200, cfg), 6) for f in (beside_processes, beside_passes, beside_both)] == [306.8, 377.6, 448.4]
+    assert [remote_ahead_tokens(f, 200, cfg) for f in (alone, beside_processes, beside_passes, beside_both)] == [236, 472, 472, 708]
+
+
+def test_a_new_prefix_goes_beside_the_decode_engines_processes_though_a_live_prefix_takes_room_there() -> None:
+    """The held-out check's request 22 (docs/bench-results.md, runs 150-151): a 576-token
+    prefix no one holds, the decode engine decoding, prefill-1 beside its processes holding a
+    live prefix (about 500 tokens of room, priced at kv_load_cost as its evictions reload from
+    the tier), prefill-0 beside its forward passes. Priced alike (2x) the room decided it and
+    prefill-0 computed it 1.2x slower; priced by the measured rates it goes to prefill-1."""
+    cfg = RoutingConfig()
+    p0 = EngineFacts("prefill-0", 0, 0, 0.0, 0.0, decoding_neighbours=1, computing_neighbours=1)
+    p1 = EngineFacts("prefill-1", 0, 0, 0.0, 0.0, crowded_tokens=500, evictions_reload=True, decoding_neighbours=1)
+    for candidates in ([p0, p1], [p1, p0]):
+        assert choose(candidates, 576, cfg).engine_id == "prefill-1"
+    # Real room pressure still wins: without the tier the eviction costs in full.
+    p1_no_tier = msgspec.structs.replace(p1, evictions_reload=False)
+    assert choose([p0, p1_no_tier], 576, cfg).engine_id == "prefill-0"
 
 
 def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]],
