@@ -66,8 +66,8 @@ def frontend_args(cfg: TandemConfig, model_path: str, vllm_config: Any) -> argpa
 
 def route_headers(traces: Sequence[RequestTrace]) -> list[tuple[bytes, bytes]]:
     """Where a response's generations ran, one comma-separated value per generation ("none"
-    where it has none): x-tandem-engine, the engine that streamed the output (the last, after
-    a migration); x-tandem-prefill-engine, the engine whose remote prefill it used;
+    where it has none): x-tandem-engine, the engine streaming the output (a stream's when its
+    headers left; a whole response's last, after any migration); x-tandem-prefill-engine, the engine whose remote prefill it used;
     x-tandem-disaggregation, the decision (RequestTrace.placement). A header no generation
     has a value for is left out."""
     values = {
