@@ -63,7 +63,7 @@ from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, Reason, decide, remote_ahead_tokens
 from orchestrator.protocol import EngineRef
-from orchestrator.scoring import EngineFacts, choose, new_tokens, score, tier_tokens
+from orchestrator.scoring import EngineFacts, new_tokens, rank, tier_tokens
 
 logger = logging.getLogger("tandem.router")
 
@@ -482,10 +482,10 @@ class Router:
                      for e, c, room in zip(candidates, cached, rooms)]
             if candidates[0].role != "decode":  # a decode replica's queue is the KV it holds, not prompts
                 facts, _ = self._on_shared_cores(candidates, facts)
-            best = choose(facts, len(prompt.token_ids), self.routing)
+            best, scores = rank(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
             if trace is not None:
-                trace.scores |= {f.engine_id: score(f, len(prompt.token_ids), self.routing) for f in facts}
+                trace.scores |= scores
         return engine
 
     def _on_shared_cores(self, candidates: Sequence[EngineRef], facts: Sequence[EngineFacts],

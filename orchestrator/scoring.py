@@ -2,7 +2,7 @@
 
 Modelled on llm-d's scheduler: filters drop replicas that must not get the request, scorers
 give each remaining replica a score between 0 and 1, and the replica with the highest
-weighted sum wins (ties: `choose`). The weights are `routing.scorers` in the config; a new
+weighted sum wins (ties: `rank`). The weights are `routing.scorers` in the config; a new
 scorer is one function in SCORERS and one field there.
 
 The default weighs one scorer, `work`: the prompt tokens a replica has yet to compute before
@@ -63,7 +63,7 @@ class EngineFacts(msgspec.Struct, frozen=True):
     decoding_neighbours: int = 0
     # Those of them whose forward passes run on the replica's cores, not only their processes:
     # the heavier neighbour (0.33 against 0.26 ms a prompt token beside the processes,
-    # docs/bench-results.md run 122), which `ahead_tokens` prices higher and `choose` breaks
+    # docs/bench-results.md run 122), which `ahead_tokens` prices higher and `rank` breaks
     # exact ties on.
     computing_neighbours: int = 0
 
@@ -138,18 +138,27 @@ def score(facts: EngineFacts, prompt_tokens: int, cfg: RoutingConfig) -> float:
     return sum(w * fn(facts, prompt_tokens, cfg) for name, fn in SCORERS.items() if (w := getattr(weights, name)))
 
 
-def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
-    """The best candidate, or None. Ties go to the replica with fewer decode engines computing
-    on its cores (`computing_neighbours`: with one decoding beside each, two replicas score
-    alike, but the one beside its forward passes rather than its processes computes a prompt
-    token 1.25x slower, docs/bench-results.md run 122), then to the one with fewer requests
-    in flight; exact ties rotate (`candidates` come in round-robin order)."""
+def rank(candidates: Sequence[EngineFacts], prompt_tokens: int,
+         cfg: RoutingConfig) -> tuple[EngineFacts | None, dict[str, float]]:
+    """The best candidate (or None) and every candidate's score by engine id, each scored once
+    (the router logs them with the request). Ties go to the replica with fewer decode engines
+    computing on its cores (`computing_neighbours`: with one decoding beside each, two replicas
+    score alike, but the one beside its forward passes rather than its processes computes a
+    prompt token 1.25x slower, docs/bench-results.md run 122), then to the one with fewer
+    requests in flight; exact ties rotate (`candidates` come in round-robin order)."""
+    scores = {f.engine_id: score(f, prompt_tokens, cfg) for f in candidates}
     kept = list(candidates)
     for keep in FILTERS.values():
         kept = [f for f in kept if keep(f, cfg)] or kept  # a filter never leaves no one
     if not kept:
-        return None
-    return max(kept, key=lambda f: (round(score(f, prompt_tokens, cfg), 9), -f.computing_neighbours, -f.outstanding))
+        return None, scores
+    best = max(kept, key=lambda f: (round(scores[f.engine_id], 9), -f.computing_neighbours, -f.outstanding))
+    return best, scores
+
+
+def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
+    """The best candidate by `rank`, or None."""
+    return rank(candidates, prompt_tokens, cfg)[0]
 
 
 def tier_tokens(by_node: dict[str, int], node_id: str, cached_blocks: int, block_size: int) -> float:

@@ -29,7 +29,7 @@ from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse
 from orchestrator.disaggregation import decide, remote_ahead_tokens
 from orchestrator.protocol import EngineRef
 from orchestrator.router import CoreNeighbours, RequestTrace, Router
-from orchestrator.scoring import EngineFacts, ahead_tokens, choose, queue_tokens, score, tier_tokens
+from orchestrator.scoring import EngineFacts, ahead_tokens, choose, queue_tokens, rank, score, tier_tokens
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
@@ -434,6 +434,12 @@ def test_work_weighs_what_a_cache_saves_against_the_queue_ahead() -> None:
     full = facts("full", cached=1000, usage=0.99)
     assert choose([full, facts("other", outstanding=3, queued=3000)], 1000, cfg).engine_id == "other"
     assert choose([full], 1000, cfg).engine_id == "full"
+    # rank gives the winner with every candidate's score, the filtered one's too (the log
+    # shows why the holder lost), each the score `score` gives.
+    best, scores = rank([full, facts("other", outstanding=3, queued=3000)], 1000, cfg)
+    assert best.engine_id == "other" and scores["full"] > scores["other"]
+    assert scores == {"full": score(full, 1000, cfg), "other": score(facts("other", 3, queued=3000), 1000, cfg)}
+    assert rank([], 1000, cfg) == (None, {})
     # Score: 1 / (1 + tokens ahead / prompt tokens); a fully cached prompt still computes one.
     assert score(facts("x", cached=1000), 1000, cfg) == pytest.approx(1 / (1 + 1 / 1000))
     assert score(facts("x", queued=500, cached=500), 1000, cfg) == pytest.approx(0.5)
