@@ -56,6 +56,7 @@ from benchmarks.stats import (
     goodput_from_sweep,
     percentile,
     percentiles_ms,
+    ratio_interval,
     summarize,
 )
 
@@ -545,10 +546,35 @@ def pooled_summary(runs: Sequence[RunResult]) -> RunSummary:
     return summarize(requests, sum(run.summary.duration_s for run in runs), runs[0].summary.slo)
 
 
+def _interval_cell(rounds: Sequence[tuple[Sequence[float | None], Sequence[float | None]]]) -> str:
+    """`ratio_interval`'s 95% intervals of TTFT p50 / mean / p99, A's over B's, for each
+    round's requests given by position, those that completed on both sides; "—" when a round
+    has none or the sides sent different numbers (they were not one request list)."""
+    paired = []
+    for a, b in rounds:
+        pairs = [(x, y) for x, y in zip(a, b) if x and y]
+        if len(a) != len(b) or not pairs:
+            return "—"
+        paired.append(([x for x, _ in pairs], [y for _, y in pairs]))
+    if not paired:
+        return "—"
+    return " / ".join(f"{low:.2f}-{high:.2f}x" for low, high in ratio_interval(paired).values())
+
+
+def _ttfts_by_index(run: RunResult, count: int) -> list[float | None]:
+    """The run's TTFTs by request index (None: failed, or not in this run)."""
+    ttfts: list[float | None] = [None] * count
+    for q in run.requests:
+        if q.ok and 0 <= q.index < count:
+            ttfts[q.index] = q.ttft
+    return ttfts
+
+
 def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
     """With several rounds: every scenario's TTFT p50 and mean over the first scenario's in the
     same round, round by round, the median of those ratios, and the figures of every round's
-    requests pooled (with their ratio to the first scenario's pooled). Empty with one round.
+    requests pooled (with their ratio to the first scenario's pooled and its 95% interval,
+    `_interval_cell`: the same requests paired round by round). Empty with one round.
     A ratio within a round sets two deployments minutes apart; their median over rounds run
     in alternating order is what a host drifting over the whole bench does not move."""
     rounds = sorted({s.round for s in scenarios if s.round is not None})
@@ -559,16 +585,21 @@ def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
     reference = names[0]
     num_rates = min(len(s.runs) for s in scenarios)
     lines = ["| scenario | rate (req/s) | pooled TTFT p50 / mean / p99 (ms) | pooled TPOT p50 (ms) | "
-             + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds) + " | median of rounds: p50 / mean | pooled: p50 / mean / p99 |",
-             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rounds) + " | ---: | ---: |"]
+             + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds)
+             + " | median of rounds: p50 / mean | pooled: p50 / mean / p99 | 95% interval of pooled |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rounds) + " | ---: | ---: | ---: |"]
     for k in range(num_rates):
         ref_pooled = pooled_summary([grid[reference, r].runs[k] for r in rounds if (reference, r) in grid])
         for name in names:
             mine = [(r, grid[name, r].runs[k]) for r in rounds if (name, r) in grid]
             pooled = pooled_summary([run for _, run in mine])
             ratios: dict[int, tuple[float, float]] = {}
+            paired: list[tuple[list[float | None], list[float | None]]] = []
             for r, run in mine:
                 ref = grid.get((reference, r))
+                if ref is not None:
+                    count = max((q.index + 1 for q in (*run.requests, *ref.runs[k].requests)), default=0)
+                    paired.append((_ttfts_by_index(run, count), _ttfts_by_index(ref.runs[k], count)))
                 a, b = run.summary.ttft_ms, ref.runs[k].summary.ttft_ms if ref else Percentiles()
                 if a.p50 and a.mean and b.p50 and b.mean:
                     ratios[r] = (a.p50 / b.p50, a.mean / b.mean)
@@ -578,7 +609,7 @@ def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
             t, ref_t = pooled.ttft_ms, ref_pooled.ttft_ms
             whole = " / ".join(f"{x / y:.2f}x" if x and y else "—" for x, y in ((t.p50, ref_t.p50), (t.mean, ref_t.mean), (t.p99, ref_t.p99)))
             lines.append(f"| {name} | {mine[0][1].config.rate:g} | {_ms(t.p50)} / {_ms(t.mean)} / {_ms(t.p99)} | {_ms(pooled.tpot_ms.p50)} | "
-                         + " | ".join(cells) + f" | {median} | {whole} |")
+                         + " | ".join(cells) + f" | {median} | {whole} | {'' if name == reference else _interval_cell(paired)} |")
     return "\n".join(lines) + f"\n\nRatios are to {reference} (the first scenario listed) in the same round; every round sends the same requests to fresh deployments.\n"
 
 
@@ -789,25 +820,34 @@ def round_ratios(results: list[ClientResult]) -> str:
 def pooled_ttft(results: list[ClientResult]) -> str:
     """Every round's TTFTs pooled per scenario and load (p50, mean, p99) and set against the
     reference's (`reference_scenario`): percentiles of pooled requests, which a median of
-    per-round ratios cannot give for a tail of one or two requests a round. Needs vLLM's
+    per-round ratios cannot give for a tail of one or two requests a round, with the 95%
+    interval of those ratios (`_interval_cell`: vLLM's client sends the same prompts in the same
+    order to every scenario of a round, so its TTFTs pair by position). Needs vLLM's
     per-request figures (`--save-detailed`); empty with one round or without them."""
     if _rounds(results) == 1:
         return ""
-    groups: dict[tuple[str, str], list[float]] = {}
+    by_round: dict[tuple[str, str, int], list[float]] = {}
     for r in results:
         ttfts = r.vllm.get("ttfts")
         if not isinstance(ttfts, list):
             return ""
         # vLLM records a failed request's TTFT as 0: those are counted as failed, not fast.
-        groups.setdefault((r.scenario, r.load), []).extend(1000.0 * float(t) for t in ttfts if t)
+        by_round[r.scenario, r.load, r.round] = [float(t) for t in ttfts]
+    groups: dict[tuple[str, str], list[float]] = {}
+    for (scenario, load, _), ttfts in by_round.items():
+        groups.setdefault((scenario, load), []).extend(1000.0 * t for t in ttfts if t)
     figures = {key: (percentile(ms, 50), statistics.fmean(ms), percentile(ms, 99)) for key, ms in groups.items() if ms}
     name = reference_scenario(results)
-    rows = [f"| scenario | load | requests | TTFT p50 / mean / p99 (ms) | over {name}'s |", "| --- | --- | ---: | ---: | ---: |"]
+    rows = [f"| scenario | load | requests | TTFT p50 / mean / p99 (ms) | over {name}'s | 95% interval |",
+            "| --- | --- | ---: | ---: | ---: | ---: |"]
     for (scenario, load), fig in figures.items():
         ref = figures.get((name, load)) if scenario != name else None
         over = " / ".join(f"{a / b:.2f}x" for a, b in zip(fig, ref)) if ref else ""
+        pairs = [(ttfts, by_round[name, load, i]) for (mine, at, i), ttfts in by_round.items()
+                 if (mine, at) == (scenario, load) and (name, load, i) in by_round]
+        interval = _interval_cell(pairs) if ref else ""
         rows.append(f"| {scenario} | {load} | {len(groups[(scenario, load)])} | "
-                    + " / ".join(f"{x:,.1f}" for x in fig) + f" | {over} |")
+                    + " / ".join(f"{x:,.1f}" for x in fig) + f" | {over} | {interval} |")
     return "\n".join(rows)
 
 

@@ -218,3 +218,45 @@ def bisect_goodput(
         else:
             high = mid
     return low
+
+
+def _figure(values: np.ndarray, figure: str) -> np.ndarray:
+    """`figure` ("mean", or a percentile such as "p99") of each row of `values`."""
+    if figure == "mean":
+        return values.mean(axis=1)
+    if figure.startswith("p") and figure[1:].replace(".", "", 1).isdigit() and float(figure[1:]) <= 100:
+        return np.percentile(values, float(figure[1:]), axis=1)
+    raise ValueError(f"unknown figure {figure!r}: give 'mean' or a percentile such as 'p99'")
+
+
+def ratio_interval(
+    rounds: Sequence[tuple[Sequence[float], Sequence[float]]],
+    figures: Sequence[str] = ("p50", "mean", "p99"),
+    *,
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """A bootstrap interval for each figure of scenario A's pooled requests over B's.
+
+    `rounds` holds each round's paired values, A's and B's for the same requests in the same
+    order (both sides of a round were sent one request list; a request's own cost, such as
+    the first of a new prefix, weighs on both). Each resample draws every round's requests
+    with replacement within that round, so a round stays one pair of deployments on one
+    stretch of the host's time, and keeps their pairing. A pooled p99 over a few hundred
+    requests rests on its three or four slowest: an interval holding 1.0 says these rounds
+    cannot tell the two apart there, one wholly above says A is slower. Percentile method,
+    seeded so that a report reads the same each time."""
+    if not rounds or any(len(a) != len(b) or len(a) == 0 for a, b in rounds):
+        raise ValueError("every round needs the same number of values, at least one, for A and B")
+    rng = np.random.default_rng(seed)
+    picks = [(np.asarray(a, dtype=float), np.asarray(b, dtype=float), rng.integers(0, len(a), (resamples, len(a))))
+             for a, b in rounds]
+    drawn_a = np.concatenate([a[idx] for a, _, idx in picks], axis=1)
+    drawn_b = np.concatenate([b[idx] for _, b, idx in picks], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    out = {}
+    for figure in figures:
+        ratios = _figure(drawn_a, figure) / _figure(drawn_b, figure)
+        out[figure] = (float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail)))
+    return out

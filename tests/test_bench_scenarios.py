@@ -187,9 +187,12 @@ def test_the_rounds_table_sets_each_scenario_against_the_first_of_its_round_and_
                ScenarioReport(conditional, 1.0, [_run("c", 1.0, 0.100, 0.002)], round=1),
                ScenarioReport(always, 1.0, [_run("a", 1.0, 0.200, 0.002)], round=1)]
     table = rounds_table(reports)
-    assert "| 3p1d@kv_aware | 1 | 150.0 / 150.0 / 200.0 | 2.0 | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x / 1.00x |" in table
+    assert "| 3p1d@kv_aware | 1 | 150.0 / 150.0 / 200.0 | 2.0 | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x / 1.00x |  |" in table
     # Pooled: 90 ms p50 (three requests at 80, three at 100) against 150; p99 100 against 200.
-    assert "| 3p1d@kv_aware+conditional | 1 | 90.0 / 90.0 / 100.0 | 2.0 | 0.80x / 0.80x | 0.50x / 0.50x | 0.65x / 0.65x | 0.60x / 0.60x / 0.50x |" in table
+    # Every round's requests are alike, so each resample pools the same figures: the interval
+    # is the point.
+    assert ("| 3p1d@kv_aware+conditional | 1 | 90.0 / 90.0 / 100.0 | 2.0 | 0.80x / 0.80x | 0.50x / 0.50x | 0.65x / 0.65x "
+            "| 0.60x / 0.60x / 0.50x | 0.60-0.60x / 0.60-0.60x / 0.50-0.50x |") in table
     assert "Ratios are to 3p1d@kv_aware (the first scenario listed) in the same round" in table
     assert rounds_table([msgspec.structs.replace(r, round=None) for r in reports[:2]]) == ""  # one round: nothing to set apart
 
@@ -815,9 +818,14 @@ def test_without_the_plain_server_rounds_are_set_against_the_first_scenario_and_
     lines = round_ratios(results).splitlines()
     assert lines[2] == "| 2p1d@kv_aware | as given | 0.50x / 1.00x | 0.50x / 1.00x | 0.50x / 1.00x |"
     table = pooled_ttft(results).splitlines()
-    assert table[0] == "| scenario | load | requests | TTFT p50 / mean / p99 (ms) | over 2p1d@round_robin's |"
-    assert table[2] == "| 2p1d@round_robin | as given | 6 | 35.0 / 41.7 / 79.0 |  |"
-    assert table[3] == "| 2p1d@kv_aware | as given | 6 | 17.5 / 30.8 / 96.5 | 0.50x / 0.74x / 1.22x |"
+    assert table[0] == "| scenario | load | requests | TTFT p50 / mean / p99 (ms) | over 2p1d@round_robin's | 95% interval |"
+    assert table[2] == "| 2p1d@round_robin | as given | 6 | 35.0 / 41.7 / 79.0 |  |  |"
+    # Round 2 sent kv_aware four prompts and round robin three: not one request list, no pairs.
+    assert table[3] == "| 2p1d@kv_aware | as given | 6 | 17.5 / 30.8 / 96.5 | 0.50x / 0.74x / 1.22x | — |"
+    # Paired round by round, the failed request's pair left out: every kv_aware TTFT is half
+    # round robin's, so every resample's ratio is 0.50x.
+    halves = [msgspec.structs.replace(results[2], vllm=figures([10.0, 0.0, 40.0])), results[3]]
+    assert pooled_ttft([*results[:2], *halves]).splitlines()[3].endswith("| 0.50-0.50x / 0.50-0.50x / 0.50-0.50x |")
     assert pooled_ttft(results[:2]) == ""  # one round
     assert pooled_ttft([*results[:3], ClientResult("2p1d@round_robin", "as given", figures([20.0], detailed=False), {}, 1)]) == ""
 

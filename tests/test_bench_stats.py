@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 
 from benchmarks.stats import (
@@ -13,6 +14,7 @@ from benchmarks.stats import (
     meets_slo,
     percentile,
     percentiles_ms,
+    ratio_interval,
     slo_attainment,
     summarize,
 )
@@ -282,3 +284,33 @@ def test_runs_round_trip_through_json_and_plot_to_png(tmp_path) -> None:
     ]
     for path in written:
         assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_ratio_interval_holds_one_where_two_sides_are_alike_and_not_where_one_is_slower() -> None:
+    rng = np.random.default_rng(1)
+    # Two rounds of 200 requests, each request's own cost shared by both sides (a first
+    # request of a prefix is slow on both), the host slower in round 2.
+    cost = [rng.lognormal(4.0, 0.5, 200), 1.5 * rng.lognormal(4.0, 0.5, 200)]
+    alike = [(c * rng.normal(1.0, 0.05, 200), c * rng.normal(1.0, 0.05, 200)) for c in cost]
+    for figure, (low, high) in ratio_interval(alike, ("p50", "mean", "p90", "p99")).items():
+        assert low < 1.0 < high, figure
+    slower = [(1.3 * c * rng.normal(1.0, 0.05, 200), c * rng.normal(1.0, 0.05, 200)) for c in cost]
+    intervals = ratio_interval(slower)
+    assert list(intervals) == ["p50", "mean", "p99"]
+    for low, high in intervals.values():
+        assert 1.0 < low < 1.3 < high < 1.6
+    # Seeded: a report reads the same each time; a wider level gives a wider interval.
+    assert ratio_interval(slower) == intervals
+    wide = ratio_interval(slower, level=0.99)
+    assert wide["p50"][0] <= intervals["p50"][0] and wide["p50"][1] >= intervals["p50"][1]
+
+
+def test_the_ratio_interval_needs_pairs_and_a_known_figure() -> None:
+    with pytest.raises(ValueError, match="same number of values"):
+        ratio_interval([([1.0, 2.0], [1.0])])
+    with pytest.raises(ValueError, match="same number of values"):
+        ratio_interval([])
+    with pytest.raises(ValueError, match="unknown figure 'p101'"):
+        ratio_interval([([1.0], [2.0])], ("p101",))
+    with pytest.raises(ValueError, match="unknown figure 'median'"):
+        ratio_interval([([1.0], [2.0])], ("median",))
