@@ -570,47 +570,71 @@ def _ttfts_by_index(run: RunResult, count: int) -> list[float | None]:
     return ttfts
 
 
+def _rounds_head(rounds: Sequence[int]) -> list[str]:
+    return ["| scenario | rate (req/s) | pooled TTFT p50 / mean / p99 (ms) | pooled TPOT p50 (ms) | "
+            + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds)
+            + " | median of rounds: p50 / mean | pooled: p50 / mean / p99 | 95% interval of pooled |",
+            "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rounds) + " | ---: | ---: | ---: |"]
+
+
+def _rounds_row(name: str, reference: str, grid: Mapping[tuple[str, int | None], ScenarioReport],
+                rounds: Sequence[int], k: int) -> str:
+    """`name`'s row at its k-th rate: its pooled figures, its TTFT p50 and mean over
+    `reference`'s round by round and their median, the pooled ratios and their interval."""
+    ref_pooled = pooled_summary([grid[reference, r].runs[k] for r in rounds if (reference, r) in grid])
+    mine = [(r, grid[name, r].runs[k]) for r in rounds if (name, r) in grid]
+    pooled = pooled_summary([run for _, run in mine])
+    ratios: dict[int, tuple[float, float]] = {}
+    paired: list[tuple[list[float | None], list[float | None]]] = []
+    for r, run in mine:
+        ref = grid.get((reference, r))
+        if ref is not None:
+            count = max((q.index + 1 for q in (*run.requests, *ref.runs[k].requests)), default=0)
+            paired.append((_ttfts_by_index(run, count), _ttfts_by_index(ref.runs[k], count)))
+        a, b = run.summary.ttft_ms, ref.runs[k].summary.ttft_ms if ref else Percentiles()
+        if a.p50 and a.mean and b.p50 and b.mean:
+            ratios[r] = (a.p50 / b.p50, a.mean / b.mean)
+    cells = [f"{ratios[r][0]:.2f}x / {ratios[r][1]:.2f}x" if r in ratios else "—" for r in rounds]
+    median = (f"{statistics.median(x[0] for x in ratios.values()):.2f}x / {statistics.median(x[1] for x in ratios.values()):.2f}x"
+              if ratios else "—")
+    t, ref_t = pooled.ttft_ms, ref_pooled.ttft_ms
+    whole = " / ".join(f"{x / y:.2f}x" if x and y else "—" for x, y in ((t.p50, ref_t.p50), (t.mean, ref_t.mean), (t.p99, ref_t.p99)))
+    return (f"| {name} | {mine[0][1].config.rate:g} | {_ms(t.p50)} / {_ms(t.mean)} / {_ms(t.p99)} | {_ms(pooled.tpot_ms.p50)} | "
+            + " | ".join(cells) + f" | {median} | {whole} | {'' if name == reference else _interval_cell(paired)} |")
+
+
+def _always_twin(scenario: Scenario, among: Sequence[Scenario]) -> Scenario | None:
+    """The scenario in `among` that runs `scenario`'s pools and policy disaggregating every
+    request, when `scenario` is a `+conditional` one: issue 17's "never worse than always"."""
+    if not scenario.conditional:
+        return None
+    twin = msgspec.structs.replace(scenario, conditional=False)
+    return next((s for s in among if msgspec.structs.replace(s, name=scenario.name) == twin), None)
+
+
 def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
     """With several rounds: every scenario's TTFT p50 and mean over the first scenario's in the
     same round, round by round, the median of those ratios, and the figures of every round's
     requests pooled (with their ratio to the first scenario's pooled and its 95% interval,
-    `_interval_cell`: the same requests paired round by round). Empty with one round.
+    `_interval_cell`: the same requests paired round by round); then each `+conditional`
+    scenario against its always twin, where that twin is not the first. Empty with one round.
     A ratio within a round sets two deployments minutes apart; their median over rounds run
     in alternating order is what a host drifting over the whole bench does not move."""
     rounds = sorted({s.round for s in scenarios if s.round is not None})
     if len(rounds) < 2:
         return ""
-    names = list(dict.fromkeys(s.scenario.name for s in scenarios))
+    listed = list({s.scenario.name: s.scenario for s in scenarios}.values())
     grid = {(s.scenario.name, s.round): s for s in scenarios}
-    reference = names[0]
+    reference = listed[0].name
     num_rates = min(len(s.runs) for s in scenarios)
-    lines = ["| scenario | rate (req/s) | pooled TTFT p50 / mean / p99 (ms) | pooled TPOT p50 (ms) | "
-             + " | ".join(f"round {r + 1}: p50 / mean" for r in rounds)
-             + " | median of rounds: p50 / mean | pooled: p50 / mean / p99 | 95% interval of pooled |",
-             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rounds) + " | ---: | ---: | ---: |"]
-    for k in range(num_rates):
-        ref_pooled = pooled_summary([grid[reference, r].runs[k] for r in rounds if (reference, r) in grid])
-        for name in names:
-            mine = [(r, grid[name, r].runs[k]) for r in rounds if (name, r) in grid]
-            pooled = pooled_summary([run for _, run in mine])
-            ratios: dict[int, tuple[float, float]] = {}
-            paired: list[tuple[list[float | None], list[float | None]]] = []
-            for r, run in mine:
-                ref = grid.get((reference, r))
-                if ref is not None:
-                    count = max((q.index + 1 for q in (*run.requests, *ref.runs[k].requests)), default=0)
-                    paired.append((_ttfts_by_index(run, count), _ttfts_by_index(ref.runs[k], count)))
-                a, b = run.summary.ttft_ms, ref.runs[k].summary.ttft_ms if ref else Percentiles()
-                if a.p50 and a.mean and b.p50 and b.mean:
-                    ratios[r] = (a.p50 / b.p50, a.mean / b.mean)
-            cells = [f"{ratios[r][0]:.2f}x / {ratios[r][1]:.2f}x" if r in ratios else "—" for r in rounds]
-            median = (f"{statistics.median(x[0] for x in ratios.values()):.2f}x / {statistics.median(x[1] for x in ratios.values()):.2f}x"
-                      if ratios else "—")
-            t, ref_t = pooled.ttft_ms, ref_pooled.ttft_ms
-            whole = " / ".join(f"{x / y:.2f}x" if x and y else "—" for x, y in ((t.p50, ref_t.p50), (t.mean, ref_t.mean), (t.p99, ref_t.p99)))
-            lines.append(f"| {name} | {mine[0][1].config.rate:g} | {_ms(t.p50)} / {_ms(t.mean)} / {_ms(t.p99)} | {_ms(pooled.tpot_ms.p50)} | "
-                         + " | ".join(cells) + f" | {median} | {whole} | {'' if name == reference else _interval_cell(paired)} |")
-    return "\n".join(lines) + f"\n\nRatios are to {reference} (the first scenario listed) in the same round; every round sends the same requests to fresh deployments.\n"
+    lines = _rounds_head(rounds) + [_rounds_row(s.name, reference, grid, rounds, k) for k in range(num_rates) for s in listed]
+    text = "\n".join(lines) + f"\n\nRatios are to {reference} (the first scenario listed) in the same round; every round sends the same requests to fresh deployments.\n"
+    twins = [(s, t) for s in listed if (t := _always_twin(s, listed)) is not None and t.name != reference]
+    if twins:
+        rows = [row for s, t in twins for k in range(num_rates)
+                for row in (_rounds_row(t.name, t.name, grid, rounds, k), _rounds_row(s.name, t.name, grid, rounds, k))]
+        text += "\nEach conditional scenario against its twin that disaggregates every request, in the same round:\n\n" + "\n".join(_rounds_head(rounds) + rows) + "\n"
+    return text
 
 
 def route_label(r: RequestResult) -> str | None:

@@ -194,7 +194,26 @@ def test_the_rounds_table_sets_each_scenario_against_the_first_of_its_round_and_
     assert ("| 3p1d@kv_aware+conditional | 1 | 90.0 / 90.0 / 100.0 | 2.0 | 0.80x / 0.80x | 0.50x / 0.50x | 0.65x / 0.65x "
             "| 0.60x / 0.60x / 0.50x | 0.60-0.60x / 0.60-0.60x / 0.50-0.50x |") in table
     assert "Ratios are to 3p1d@kv_aware (the first scenario listed) in the same round" in table
+    assert "Each conditional scenario" not in table  # its twin is the first listed: the table above
     assert rounds_table([msgspec.structs.replace(r, round=None) for r in reports[:2]]) == ""  # one round: nothing to set apart
+
+
+def test_the_rounds_table_also_sets_each_conditional_scenario_against_its_always_twin() -> None:
+    """Round robin listed first, then kv_aware and kv_aware + conditional: issue 17's
+    "conditional never worse than always" is read from a second table, same pairing."""
+    from benchmarks.report import rounds_table
+
+    rr, always, conditional = (parse_scenario(f"3p1d@{p}") for p in ("round_robin", "kv_aware", "kv_aware+conditional"))
+    other_pools = parse_scenario("2p1d@kv_aware+conditional")  # no always twin of its own pools ran
+    ttfts = {rr: (0.200, 0.200), always: (0.100, 0.100), conditional: (0.080, 0.090), other_pools: (0.050, 0.050)}
+    reports = [ScenarioReport(s, 1.0, [_run(s.name, 1.0, ttfts[s][r], 0.002)], round=r) for r in (0, 1) for s in ttfts]
+    main, twins = rounds_table(reports).split("Each conditional scenario against its twin that disaggregates every request")
+    assert "| 3p1d@kv_aware+conditional | 1 | 85.0 / 85.0 / 90.0 | 2.0 | 0.40x / 0.40x | 0.45x / 0.45x |" in main
+    assert "| 3p1d@kv_aware | 1 | 100.0 / 100.0 / 100.0 | 2.0 | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x | 1.00x / 1.00x / 1.00x |  |" in twins
+    # Round 1: 80 ms against 100, round 2: 90 against 100; pooled 85 (p50 and mean) and 90 (p99).
+    assert ("| 3p1d@kv_aware+conditional | 1 | 85.0 / 85.0 / 90.0 | 2.0 | 0.80x / 0.80x | 0.90x / 0.90x | 0.85x / 0.85x "
+            "| 0.85x / 0.85x / 0.90x | 0.85-0.85x / 0.85-0.85x / 0.90-0.90x |") in twins
+    assert "2p1d@kv_aware+conditional" not in twins
 
 
 def test_server_replies_are_for_conversations_over_http_without_fault_scenarios() -> None:
