@@ -156,11 +156,6 @@ def rank(candidates: Sequence[EngineFacts], prompt_tokens: int,
     return best, scores
 
 
-def choose(candidates: Sequence[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
-    """The best candidate by `rank`, or None."""
-    return rank(candidates, prompt_tokens, cfg)[0]
-
-
 def tier_tokens(by_node: dict[str, int], node_id: str, cached_blocks: int, block_size: int) -> float:
     """Prompt tokens the CPU tier adds to an engine's own `cached_blocks`: the tier's run of
     the prompt's blocks (`by_node`: counted by the node of the store holding them) beyond the

@@ -29,7 +29,7 @@ from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse
 from orchestrator.disaggregation import decide, remote_ahead_tokens
 from orchestrator.protocol import EngineRef
 from orchestrator.router import CoreNeighbours, RequestTrace, Router
-from orchestrator.scoring import EngineFacts, ahead_tokens, choose, queue_tokens, rank, score, tier_tokens
+from orchestrator.scoring import EngineFacts, ahead_tokens, queue_tokens, rank, score, tier_tokens
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
@@ -351,6 +351,11 @@ def test_a_block_is_live_where_the_request_reusing_it_goes() -> None:
     # prompt's last is not full (it differed only within that block).
     assert not view.continues(a, view.prompt(list(range(7000, 7000 + 4 * BLOCK))))
     assert not view.continues(a, view.prompt(list(range(7000, 7000 + 4 * BLOCK)) + [1] * (BLOCK - 1)))
+
+
+def choose(candidates: list[EngineFacts], prompt_tokens: int, cfg: RoutingConfig) -> EngineFacts | None:
+    """The replica kv_aware picks (`rank`'s winner)."""
+    return rank(candidates, prompt_tokens, cfg)[0]
 
 
 def facts(eid: str, outstanding: int = 0, cached: int = 0, tier: float = 0.0, usage: float = 0.0,
