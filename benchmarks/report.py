@@ -578,12 +578,12 @@ def _rounds_head(rounds: Sequence[int]) -> list[str]:
 
 
 def _rounds_row(name: str, reference: str, grid: Mapping[tuple[str, int | None], ScenarioReport],
-                rounds: Sequence[int], k: int) -> str:
-    """`name`'s row at its k-th rate: its pooled figures, its TTFT p50 and mean over
-    `reference`'s round by round and their median, the pooled ratios and their interval."""
-    ref_pooled = pooled_summary([grid[reference, r].runs[k] for r in rounds if (reference, r) in grid])
+                pooled_by: Mapping[tuple[str, int], RunSummary], rounds: Sequence[int], k: int) -> str:
+    """`name`'s row at its k-th rate: its pooled figures (`pooled_by`, by scenario and rate),
+    its TTFT p50 and mean over `reference`'s round by round and their median, the pooled
+    ratios and their interval."""
+    ref_pooled, pooled = pooled_by[reference, k], pooled_by[name, k]
     mine = [(r, grid[name, r].runs[k]) for r in rounds if (name, r) in grid]
-    pooled = pooled_summary([run for _, run in mine])
     ratios: dict[int, tuple[float, float]] = {}
     paired: list[tuple[list[float | None], list[float | None]]] = []
     for r, run in mine:
@@ -627,12 +627,15 @@ def rounds_table(scenarios: Sequence[ScenarioReport]) -> str:
     grid = {(s.scenario.name, s.round): s for s in scenarios}
     reference = listed[0].name
     num_rates = min(len(s.runs) for s in scenarios)
-    lines = _rounds_head(rounds) + [_rounds_row(s.name, reference, grid, rounds, k) for k in range(num_rates) for s in listed]
+    pooled = {(s.name, k): pooled_summary([grid[s.name, r].runs[k] for r in rounds if (s.name, r) in grid])
+              for s in listed for k in range(num_rates)}
+    lines = _rounds_head(rounds) + [_rounds_row(s.name, reference, grid, pooled, rounds, k)
+                                    for k in range(num_rates) for s in listed]
     text = "\n".join(lines) + f"\n\nRatios are to {reference} (the first scenario listed) in the same round; every round sends the same requests to fresh deployments.\n"
     twins = [(s, t) for s in listed if (t := _always_twin(s, listed)) is not None and t.name != reference]
     if twins:
         rows = [row for s, t in twins for k in range(num_rates)
-                for row in (_rounds_row(t.name, t.name, grid, rounds, k), _rounds_row(s.name, t.name, grid, rounds, k))]
+                for row in (_rounds_row(t.name, t.name, grid, pooled, rounds, k), _rounds_row(s.name, t.name, grid, pooled, rounds, k))]
         text += "\nEach conditional scenario against its twin that disaggregates every request, in the same round:\n\n" + "\n".join(_rounds_head(rounds) + rows) + "\n"
     return text
 
