@@ -99,6 +99,13 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     )
     for key, n in stats.decisions.items():
         decisions.add_metric([app, *key.split(":")], n)
+    speed = GaugeMetricFamily(
+        "tandem_prefill_seconds_per_token",
+        "A prefill replica's time per prompt token, as this ingress replica's kv_aware router learned it from the prefills it timed there",
+        labels=["app", "engine"],
+    )
+    for engine, seconds in stats.prefill_seconds_per_token.items():
+        speed.add_metric([app, engine], seconds)
     return [
         _counted("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
         _counted("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
@@ -107,6 +114,7 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
         _counted("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", app, "phase", stats.aborts),
         in_flight,
         decisions,
+        speed,
     ]
 
 

@@ -63,7 +63,8 @@ from orchestrator.cache_view import CacheView, PromptKeys
 from orchestrator.config import Policy, RoutingConfig
 from orchestrator.disaggregation import DECISIONS, Decision, Reason, decide, remote_ahead_tokens
 from orchestrator.protocol import EngineRef
-from orchestrator.scoring import EngineFacts, new_tokens, rank, tier_tokens
+from orchestrator.scoring import EngineFacts, new_tokens, queue_tokens, rank, tier_tokens
+from orchestrator.speed import PrefillSpeed
 
 logger = logging.getLogger("tandem.router")
 
@@ -247,6 +248,10 @@ class RequestTrace(msgspec.Struct):
     reason: Reason | None = None
     # kv_aware's score of each engine it chose among for this request (the higher won).
     scores: dict[str, float] = {}
+    # The prompt tokens kv_aware expected the prefill replica it chose to compute before this
+    # request's first token (its queue, and the request's own part); with the prefill's time,
+    # what the router learns the replica's speed from (orchestrator.speed).
+    prefill_tokens_ahead: float | None = None
     # The first token was the prefill engine's, streamed as it came (routing.first_token).
     first_from_prefill: bool = False
     # When the HTTP request reached the ingress (openai_app.RequestGate), before vLLM's
@@ -343,6 +348,9 @@ class RouterStats(msgspec.Struct):
     # Disaggregation decisions, keyed "decision:reason" (orchestrator.disaggregation).
     decisions: dict[str, int] = msgspec.field(default_factory=lambda: _zeros(*(f"{d}:{r}" for d, r in DECISIONS)))
     in_flight: int = 0
+    # Each prefill replica's time per prompt token as kv_aware learned it (orchestrator.speed),
+    # once the replica answered routing.prefill_speed_samples prefills.
+    prefill_seconds_per_token: dict[str, float] = {}
 
 
 class CoreNeighbours:
@@ -411,6 +419,7 @@ class Router:
         roles: tuple[Role, ...] = ("prefill", "decode") if self.disaggregated else ("both",)
         self.pools: dict[str, EnginePicker] = {role: EnginePicker([], routing.policy) for role in roles}
         self.stats = RouterStats()
+        self.speed = PrefillSpeed(routing.prefill_speed_samples)
         # Decode engine id -> prompt tokens of this router's local prefills there that have
         # not produced their first token (conditional disaggregation's queue).
         self._local_queued: dict[str, float] = {}
@@ -426,6 +435,8 @@ class Router:
         for role, picker in self.pools.items():
             picker.set_engines([e for e in engines if e.role == role])
         self._neighbours = CoreNeighbours(self.engines)
+        self.speed.keep([e.engine_id for e in self.pools["prefill"].engines] if self.disaggregated else [])
+        self.stats.prefill_seconds_per_token = self.speed.rates
         self.streams.keep({e.stream_address for e in engines})
         if self.cache is not None:
             self.cache.set_engines([e for p in self.pools.values() if self._follows(p) for e in p.engines])
@@ -482,10 +493,14 @@ class Router:
                      for e, c, room in zip(candidates, cached, rooms)]
             if candidates[0].role != "decode":  # a decode replica's queue is the KV it holds, not prompts
                 facts, _ = self._on_shared_cores(candidates, facts)
+            if candidates[0].role == "prefill" and (slow := self.speed.slowdowns([e.engine_id for e in candidates])):
+                facts = [msgspec.structs.replace(f, slowdown=slow[f.engine_id]) for f in facts]
             best, scores = rank(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
             if trace is not None:
                 trace.scores |= scores
+                if best is not None and candidates[0].role == "prefill":
+                    trace.prefill_tokens_ahead = queue_tokens(best, len(prompt.token_ids), self.routing)
         return engine
 
     def _on_shared_cores(self, candidates: Sequence[EngineRef], facts: Sequence[EngineFacts],
@@ -747,12 +762,14 @@ class Router:
         reason = "no_prefill_engine"
         try:
             for attempt in range(attempts):
+                trace.prefill_tokens_ahead = None
                 engine = pinned or await self._pick(picker, prompt, tried, trace)
                 if engine is None:
                     break
                 work = self._claim(engine, prompt)
                 tried.add(engine.engine_id)
                 picker.acquire(engine, work)
+                sent = time.perf_counter()
                 try:
                     last = await asyncio.wait_for(
                         self._prefill_once(engine, request, f"{request.request_id}-p{attempt or ''}", prompt, forward),
@@ -776,6 +793,7 @@ class Router:
                     if last is not None and (last.kv_transfer_params or (forward and _ends_request(last, request.sampling))):
                         trace.num_cached_tokens = last.num_cached_tokens or 0
                         trace.prefill_engine = engine.engine_id
+                        self._timed_prefill(engine, trace.prefill_tokens_ahead, time.perf_counter() - sent)
                         if engine.saves_tier and last.kv_transfer_params:
                             # The engine saves the prompt it computed: the decode engine that
                             # pulls it need not ask the tier about it again.
@@ -793,6 +811,17 @@ class Router:
             trace.t_prefill_done = time.perf_counter()
         self._fall_back(trace, reason)
         return None
+
+    def _timed_prefill(self, engine: EngineRef, tokens_ahead: float | None, seconds: float) -> None:
+        """A prefill on `engine` answered after `seconds`, kv_aware having expected
+        `tokens_ahead` prompt tokens before its first (None: it did not choose the replica)."""
+        if tokens_ahead is not None:
+            self.speed.observe(engine.engine_id, tokens_ahead, seconds)
+            rates = self.speed.rates
+            if rates.keys() != self.stats.prefill_seconds_per_token.keys():
+                logger.info("kv_aware now prices prefill replicas by the speed learned from their prefills: %s",
+                            ", ".join(f"{e} {1000 * r:.3f} ms a prompt token" for e, r in sorted(rates.items())) or "none")
+            self.stats.prefill_seconds_per_token = rates
 
     async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str,
                             prompt: PromptKeys | None, forward: bool) -> Any:

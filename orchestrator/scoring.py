@@ -66,6 +66,10 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # docs/bench-results.md run 122), which `ahead_tokens` prices higher and `rank` breaks
     # exact ties on.
     computing_neighbours: int = 0
+    # The replica's time per prompt token over the fastest candidate's, as the router learned
+    # it from the prefills it timed there (orchestrator.speed); None until it has: then the
+    # decode engines beside it price it (`ahead_tokens`).
+    slowdown: float | None = None
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -99,11 +103,14 @@ def queue_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
 
 
 def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
-    """`queue_tokens` in the time the replica takes to compute them alone: stretched for each
-    decode engine decoding beside it, by its forward passes or only its processes. Between
-    replicas of one pool only the rate differs (the request's way to them and its KV's from
-    them are alike), so the measured rates apply; the disaggregation decider, which sets a
-    replica against the decode engine itself, prices them its own way."""
+    """`queue_tokens` in the time the fastest candidate takes to compute a token: times the
+    replica's learned `slowdown`, or until it is learned, stretched for each decode engine
+    decoding beside it, by its forward passes or only its processes. Between replicas of one
+    pool only the rate differs (the request's way to them and its KV's from them are alike),
+    so the rates apply; the disaggregation decider, which sets a replica against the decode
+    engine itself, prices them its own way."""
+    if f.slowdown is not None:
+        return queue_tokens(f, n, cfg) * f.slowdown
     processes = f.decoding_neighbours - f.computing_neighbours
     return queue_tokens(f, n, cfg) * (1 + BESIDE_FORWARD_PASSES * f.computing_neighbours + BESIDE_PROCESSES * processes)
 

@@ -27,9 +27,11 @@ from connectors.config import PREFILLED_TOKENS
 from orchestrator.cache_view import EngineCache
 from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse_config
 from orchestrator.disaggregation import decide, remote_ahead_tokens
+from orchestrator.metrics import TandemMetrics
 from orchestrator.protocol import EngineRef
 from orchestrator.router import CoreNeighbours, RequestTrace, Router
 from orchestrator.scoring import EngineFacts, ahead_tokens, queue_tokens, rank, score, tier_tokens
+from orchestrator.speed import MAX_SLOWDOWN, PrefillSpeed
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
@@ -1407,3 +1409,107 @@ def test_an_engine_dropped_and_listed_again_is_followed_into_its_new_view() -> N
         return held
 
     assert asyncio.run(asyncio.wait_for(go(), timeout=10))
+
+
+# ---- learned prefill speed ------------------------------------------------------------------
+
+
+def _timed(speed: PrefillSpeed, rates: dict[str, float], n: int, rng: random.Random, intercept: float = 0.004) -> None:
+    for _ in range(n):
+        for engine, rate in rates.items():
+            tokens = rng.uniform(16, 600)
+            speed.observe(engine, tokens, intercept + rate * tokens + rng.gauss(0, 0.0005))
+
+
+def test_prefill_speed_fits_each_replicas_time_per_token_past_the_shared_hop() -> None:
+    """Seconds = a hop every replica pays + its own time per token: the fit separates the two,
+    so a replica sent short remainders is not priced slower for the hop (a ratio of sums would
+    price it 0.2 + 4/100 ms a token against 0.2 + 4/500 for one sent whole prompts)."""
+    rng = random.Random(0)
+    speed = PrefillSpeed(min_samples=16)
+    _timed(speed, {"a": 0.0002, "b": 0.0003}, 15, rng)
+    assert speed.rates == {} and speed.slowdowns(["a", "b"]) is None  # not yet enough answers
+    _timed(speed, {"a": 0.0002, "b": 0.0003}, 1, rng)
+    assert speed.rates == pytest.approx({"a": 0.0002, "b": 0.0003}, rel=0.05)
+    assert speed.slowdowns(["a", "b"]) == pytest.approx({"a": 1.0, "b": 1.5}, rel=0.05)
+    assert speed.slowdowns(["b"]) == {"b": 1.0}  # against the fastest candidate
+    assert speed.slowdowns(["a", "c"]) is None  # c has no rate: every candidate priced the fixed way
+    # Short remainders on `a`, whole prompts on `b`, at one rate: priced alike.
+    short = PrefillSpeed(min_samples=16)
+    for _ in range(40):
+        for engine, (lo, hi) in (("a", (16, 150)), ("b", (300, 900))):
+            tokens = rng.uniform(lo, hi)
+            short.observe(engine, tokens, 0.004 + 0.0002 * tokens)
+    assert short.slowdowns(["a", "b"]) == pytest.approx({"a": 1.0, "b": 1.0}, rel=0.02)
+
+
+def test_prefill_speed_follows_a_replica_that_speeds_up_and_forgets_removed_ones() -> None:
+    rng = random.Random(1)
+    speed = PrefillSpeed(min_samples=8)
+    _timed(speed, {"a": 0.0002, "b": 0.0004}, 64, rng)
+    assert speed.slowdowns(["a", "b"])["b"] == pytest.approx(2.0, rel=0.05)  # type: ignore[index]
+    _timed(speed, {"a": 0.0002, "b": 0.0002}, 256, rng)  # b's decode neighbour went idle
+    assert speed.slowdowns(["a", "b"])["b"] < 1.1  # type: ignore[index]
+    _timed(speed, {"a": 0.0002, "b": 0.002}, 256, rng)  # a stalled host: 10x, priced at most 4x
+    assert speed.slowdowns(["a", "b"])["b"] == MAX_SLOWDOWN  # type: ignore[index]
+    speed.keep(["a"])
+    assert set(speed.rates) == {"a"} and speed.slowdowns(["a", "b"]) is None
+    off = PrefillSpeed(min_samples=0)
+    _timed(off, {"a": 0.0002}, 64, rng)
+    assert off.rates == {}
+
+
+class PacedEngine(CachingEngine):
+    """A CachingEngine that computes each prompt token it has not cached for `ms_per_token`."""
+
+    def __init__(self, name: str, ms_per_token: float) -> None:
+        super().__init__(name)
+        self.ms_per_token = ms_per_token
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        await asyncio.sleep(len(req.prompt_token_ids) * self.ms_per_token / 1000)
+        async for out in super().generate(req):
+            yield out
+
+
+def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so() -> None:
+    """Two prefill replicas on GPUs (no cores shared: no fixed factor tells them apart), one
+    computing a token 3x slower. Until each has answered `prefill_speed_samples` prefills
+    kv_aware scores them alike and fresh prompts alternate; then the slow one's tokens cost 3x
+    and fresh prompts go to the fast one, unless its queue is longer than the difference. The
+    learned rates are on /metrics."""
+    fast, slow, decode = PacedEngine("fast", 0.1), PacedEngine("slow", 0.3), CachingEngine("d")
+    router = Router([fast.ref("prefill"), slow.ref("prefill"), decode.ref("decode")],
+                    RoutingConfig(policy="kv_aware", prefill_speed_samples=6))
+    rng = random.Random(2)
+    fresh = [list(range(10_000 * k, 10_000 * k + rng.randint(2, 12) * BLOCK)) for k in range(1, 19)]
+    traces: list[RequestTrace] = []
+
+    async def one(prompt: list[int]) -> None:
+        traces.append(trace := RequestTrace())
+        async for _ in router.generate(EngineRequest(f"r{len(traces)}", prompt, SamplingParams(max_tokens=2)), trace):
+            pass
+
+    async def go() -> None:
+        assert router.cache is not None
+        router.cache.sync()
+        await asyncio.sleep(0.05)
+        for prompt in fresh:
+            await one(prompt)
+        # A queue on the fast replica longer than what the slow one's rate costs: the slow one.
+        fast_ref = router.pools["prefill"].engines[0]
+        router.pools["prefill"].acquire(fast_ref, 10.0 * len(fresh[0]))
+        await one(list(range(900_000, 900_000 + len(fresh[0]))))
+        router.pools["prefill"].release(fast_ref, 10.0 * len(fresh[0]))
+        await router.close()
+
+    asyncio.run(asyncio.wait_for(go(), timeout=30))
+    on = ["fast" if any(r.prompt_token_ids == p for r in fast.requests) else "slow" for p in fresh]
+    assert on[:12].count("fast") == 6, on  # learning: alike, so they alternate
+    assert on[12:] == ["fast"] * 6, on
+    assert traces[12].scores["fast"] > traces[12].scores["slow"], traces[12].scores
+    rates = router.stats.prefill_seconds_per_token
+    assert set(rates) == {"fast", "slow"} and rates["slow"] / rates["fast"] > 2, rates
+    assert slow.requests[-1].prompt_token_ids[0] == 900_000  # the queue on fast outweighs its speed
+    page = TandemMetrics("app").render([], {}, router=router.stats).decode()
+    assert f'tandem_prefill_seconds_per_token{{app="app",engine="slow"}} {rates["slow"]}' in page
