@@ -185,8 +185,8 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
     # kv_aware: prefills each prefill replica must have answered a router before the time
     # per prompt token it learned from them (orchestrator.speed) prices the replica against
-    # the others, in place of fixed factors for the decode engines computing beside it.
-    # 0: never learned.
+    # the others, in place of fixed factors for the decode engines computing beside it (once
+    # two candidates have a rate; one not timed yet counts as the fastest). 0: never learned.
     prefill_speed_samples: Annotated[int, Meta(ge=0)] = 16
     # Disaggregated deployments: whether a request is prefilled on the prefill pool
     # ("always"), on its decode engine ("never"), or per request ("conditional": on the

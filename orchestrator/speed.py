@@ -10,7 +10,7 @@ round robin's TTFT p50 to 0.52x (docs/bench-results.md, runs 161-162). So each r
 learns every replica's rate from its own prefills: the seconds from sending one to its answer
 against the tokens it expected ahead of it (the replica's queue plus the request's own part),
 fitted as one intercept for the pool (the hops and the scheduling every replica pays alike)
-plus a slope per replica (its time per prompt token). Once every candidate has answered
+plus a slope per replica (its time per prompt token). Once two candidates have answered
 enough, the slopes over the fastest one's price the candidates instead of the fixed factors.
 A replica's sums decay by half every HALF_LIFE of its answers, so a replica whose neighbours
 change is repriced within a few dozen requests. Nothing is learned across routers: each fits
@@ -78,12 +78,16 @@ class PrefillSpeed:
 
     def slowdowns(self, engine_ids: Collection[str]) -> dict[str, float] | None:
         """Each replica's time per prompt token over the fastest one's among `engine_ids`
-        (at most MAX_SLOWDOWN), or None while any of them has no rate yet."""
-        rates = [self._rates.get(e) for e in engine_ids]
-        if not rates or None in rates:
+        (at most MAX_SLOWDOWN), or None while fewer than two of them have a rate. A replica
+        not timed yet counts as the fastest, so that it draws requests until it is: kv_aware
+        sends few to a replica it prices high (the one beside the system prompt's holder drew
+        under 16 of 190 long-chat turns), and waiting for every replica's rate kept the
+        learned ones unused for whole runs."""
+        rates = {e: r for e in engine_ids if (r := self._rates.get(e)) is not None}
+        if len(rates) < 2:
             return None
-        fastest = min(r for r in rates if r is not None)
-        return {e: min(MAX_SLOWDOWN, r / fastest) for e, r in zip(engine_ids, rates) if r is not None}
+        fastest = min(rates.values())
+        return {e: min(MAX_SLOWDOWN, rates[e] / fastest) if e in rates else 1.0 for e in engine_ids}
 
     def _fit(self) -> dict[str, float]:
         """Least squares of seconds = intercept + slope[replica] * tokens over the replicas
