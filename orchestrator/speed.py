@@ -26,6 +26,10 @@ HALF_LIFE = 64
 # The slowest a replica is priced against the fastest: a bound on what a few odd answers
 # (a replica restarting, a stall on the host) can do to the routing.
 MAX_SLOWDOWN = 4.0
+# Rates within this share of the fastest count as the fastest's: the fit moves by about as
+# much between answers (0.240 to 0.250 ms a token after a few more, run 164), and replicas
+# alike (GPUs, no core shared) keep the exact ties that send fresh prompts round the pool.
+TOLERANCE = 0.05
 
 
 class _Sums:
@@ -78,16 +82,16 @@ class PrefillSpeed:
 
     def slowdowns(self, engine_ids: Collection[str]) -> dict[str, float] | None:
         """Each replica's time per prompt token over the fastest one's among `engine_ids`
-        (at most MAX_SLOWDOWN), or None while fewer than two of them have a rate. A replica
-        not timed yet counts as the fastest, so that it draws requests until it is: kv_aware
-        sends few to a replica it prices high (the one beside the system prompt's holder drew
-        under 16 of 190 long-chat turns), and waiting for every replica's rate kept the
-        learned ones unused for whole runs."""
+        (at most MAX_SLOWDOWN; 1 within TOLERANCE of it), or None while fewer than two of
+        them have a rate. A replica not timed yet counts as the fastest, so that it draws
+        requests until it is: kv_aware sends few to a replica it prices high, and waiting for
+        every replica's rate would leave the learned ones unused while it waits."""
         rates = {e: r for e in engine_ids if (r := self._rates.get(e)) is not None}
         if len(rates) < 2:
             return None
         fastest = min(rates.values())
-        return {e: min(MAX_SLOWDOWN, rates[e] / fastest) if e in rates else 1.0 for e in engine_ids}
+        slower = {e: min(MAX_SLOWDOWN, r / fastest) for e, r in rates.items()}
+        return {e: s if (s := slower.get(e, 1.0)) > 1.0 + TOLERANCE else 1.0 for e in engine_ids}
 
     def _fit(self) -> dict[str, float]:
         """Least squares of seconds = intercept + slope[replica] * tokens over the replicas

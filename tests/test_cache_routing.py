@@ -463,3 +463,36 @@ def test_the_bench_load_generator_records_each_requests_route(pd: Running) -> No
     table = route_table([ScenarioReport(parse_scenario("2p1d@kv_aware+conditional"), 60.0, [run])])
     assert f"| 2p1d@kv_aware+conditional | {decode} (local) | 3 |" in table, table
     assert sum(f"| 2p1d@kv_aware+conditional | {p} → {decode} |" in table for p in prefill) >= 1, table
+
+
+def test_a_router_times_real_prefills_to_learn_each_replicas_rate(pd: Running) -> None:
+    """With routing.prefill_speed_samples set, the router times each real prefill (its KV
+    handed over NIXL, its first token streamed) against the tokens it expected ahead of it:
+    two fresh prompts, one request at a time, alike for kv_aware, so one goes to each prefill
+    engine, and each engine gets a rate from its answer."""
+    import msgspec
+
+    routing = msgspec.structs.replace(pd.deployment.cfg.routing, disaggregation="always", prefill_speed_samples=1)
+    router = Router(pd.deployment.routing_engines(), routing)
+    prefill = {e.engine_id for e in pd.deployment.routing_engines() if e.role == "prefill"}
+    prompts = [prompt(500, 200), prompt(510, 120)]
+    traces = [RequestTrace() for _ in prompts]
+
+    async def go() -> list[int]:
+        assert router.cache is not None
+        router.cache.sync()
+        await asyncio.sleep(1.0)
+        tokens = []
+        for i, (ids, trace) in enumerate(zip(prompts, traces)):
+            req = EngineRequest(f"timed-{i}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=3, temperature=0.0))
+            tokens.append(sum([len(out.outputs[0].token_ids) async for out in router.generate(req, trace)]))
+        await router.close()
+        return tokens
+
+    tokens = asyncio.run(asyncio.wait_for(go(), timeout=120))
+    assert tokens == [3, 3], tokens
+    assert {t.prefill_engine for t in traces} == prefill, [t.prefill_engine for t in traces]
+    # Nothing queued and nothing cached: the tokens ahead were the prompt's own.
+    assert [t.prefill_tokens_ahead for t in traces] == [200.0, 120.0], [t.prefill_tokens_ahead for t in traces]
+    rates = router.stats.prefill_seconds_per_token
+    assert set(rates) == prefill and all(0 < r < 0.1 for r in rates.values()), rates

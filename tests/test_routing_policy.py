@@ -1441,7 +1441,11 @@ def test_prefill_speed_fits_each_replicas_time_per_token_past_the_shared_hop() -
         for engine, (lo, hi) in (("a", (16, 150)), ("b", (300, 900))):
             tokens = rng.uniform(lo, hi)
             short.observe(engine, tokens, 0.004 + 0.0002 * tokens)
-    assert short.slowdowns(["a", "b"]) == pytest.approx({"a": 1.0, "b": 1.0}, rel=0.02)
+    assert short.slowdowns(["a", "b"]) == {"a": 1.0, "b": 1.0}
+    # Rates 3% apart are one rate (the fit's noise): exact ties, which rotate.
+    near = PrefillSpeed(min_samples=16)
+    _timed(near, {"a": 0.0002, "b": 0.000206}, 40, rng, intercept=0.0)
+    assert near.slowdowns(["a", "b"]) == {"a": 1.0, "b": 1.0}
 
 
 def test_prefill_speed_follows_a_replica_that_speeds_up_and_forgets_removed_ones() -> None:
