@@ -6,8 +6,9 @@ rate where they share cores: with decode engines (priced by fixed factors,
 scoring.BESIDE_*), but also with Ray's processes, Serve's and the ingress, which no factor
 named. On the 2-core host, the two replicas on core 0 (the control plane's core) drew 73% of
 the long chats' turns, and pricing them 1.17x a prompt token took kv_aware from about 0.58x
-round robin's TTFT p50 to 0.52x (docs/bench-results.md, runs 161-162). So each router
-learns every replica's rate from its own prefills: the seconds from sending one to its answer
+round robin's TTFT p50 to 0.52x (docs/bench-results.md, runs 161-162). So a router can
+learn every replica's rate from its own prefills (routing.prefill_speed_samples, off by
+default: on those long chats it routed and scored as the fixed factors did, runs 164-165): the seconds from sending one to its answer
 against the tokens it expected ahead of it (the replica's queue plus the request's own part),
 fitted as one intercept for the pool (the hops and the scheduling every replica pays alike)
 plus a slope per replica (its time per prompt token). Once two candidates have answered
@@ -27,8 +28,9 @@ HALF_LIFE = 64
 # (a replica restarting, a stall on the host) can do to the routing.
 MAX_SLOWDOWN = 4.0
 # Rates within this share of the fastest count as the fastest's: the fit moves by about as
-# much between answers (0.240 to 0.250 ms a token after a few more, run 164), and replicas
-# alike (GPUs, no core shared) keep the exact ties that send fresh prompts round the pool.
+# much between answers (a replica's 0.250 ms a token was 0.240 two seconds later, run 164),
+# and replicas alike (GPUs, no core shared) keep the exact ties that send fresh prompts
+# round the pool.
 TOLERANCE = 0.05
 
 
@@ -95,10 +97,10 @@ class PrefillSpeed:
 
     def _fit(self) -> dict[str, float]:
         """Least squares of seconds = intercept + slope[replica] * tokens over the replicas
-        with enough answers, the intercept shared (at least 0); {} when the answers do not
-        pin the slopes down (a replica's tokens all alike, or a slope not above 0)."""
+        with enough answers, the intercept shared (at least 0; none when no replica's tokens
+        vary); {} when a slope comes out not above 0: the answers do not pin them down."""
         ready = {e: s for e, s in self._sums.items() if s.count >= self.min_samples}
-        if not ready or any(s.xx <= 0 for s in ready.values()):
+        if not ready:
             return {}
         # For a given intercept c, each slope is (xy - c x) / xx; the c that minimises the
         # summed squares then solves a linear equation of the sums.
