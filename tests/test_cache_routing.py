@@ -466,33 +466,29 @@ def test_the_bench_load_generator_records_each_requests_route(pd: Running) -> No
 
 
 def test_a_router_times_real_prefills_to_learn_each_replicas_rate(pd: Running) -> None:
-    """With routing.prefill_speed_samples set, the router times each real prefill (its KV
-    handed over NIXL, its first token streamed) against the tokens it expected ahead of it:
-    two fresh prompts, one request at a time, alike for kv_aware, so one goes to each prefill
-    engine, and each engine gets a rate from its answer."""
+    """With routing.prefill_speed_samples set, the router times a real prefill (its KV handed
+    over NIXL, its first token streamed) against the tokens it expected ahead of it, and the
+    engine that answered gets a rate. (Which engine kv_aware picks depends on what the
+    module's earlier requests left in the caches; the tests on fakes cover the choice.)"""
     import msgspec
 
     routing = msgspec.structs.replace(pd.deployment.cfg.routing, disaggregation="always", prefill_speed_samples=1)
     router = Router(pd.deployment.routing_engines(), routing)
     prefill = {e.engine_id for e in pd.deployment.routing_engines() if e.role == "prefill"}
-    prompts = [prompt(500, 200), prompt(510, 120)]
-    traces = [RequestTrace() for _ in prompts]
+    ids, trace = prompt(500, 200), RequestTrace()
 
-    async def go() -> list[int]:
+    async def go() -> int:
         assert router.cache is not None
         router.cache.sync()
         await asyncio.sleep(1.0)
-        tokens = []
-        for i, (ids, trace) in enumerate(zip(prompts, traces)):
-            req = EngineRequest(f"timed-{i}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=3, temperature=0.0))
-            tokens.append(sum([len(out.outputs[0].token_ids) async for out in router.generate(req, trace)]))
+        req = EngineRequest(f"timed-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=3, temperature=0.0))
+        tokens = sum([len(out.outputs[0].token_ids) async for out in router.generate(req, trace)])
         await router.close()
         return tokens
 
-    tokens = asyncio.run(asyncio.wait_for(go(), timeout=120))
-    assert tokens == [3, 3], tokens
-    assert {t.prefill_engine for t in traces} == prefill, [t.prefill_engine for t in traces]
+    assert asyncio.run(asyncio.wait_for(go(), timeout=120)) == 3
+    assert trace.prefill_engine in prefill and set(trace.scores) == prefill, trace
     # Nothing queued and nothing cached: the tokens ahead were the prompt's own.
-    assert [t.prefill_tokens_ahead for t in traces] == [200.0, 120.0], [t.prefill_tokens_ahead for t in traces]
+    assert trace.prefill_tokens_ahead == 200.0, trace
     rates = router.stats.prefill_seconds_per_token
-    assert set(rates) == prefill and all(0 < r < 0.1 for r in rates.values()), rates
+    assert set(rates) == {trace.prefill_engine} and 0 < rates[trace.prefill_engine] < 0.1, rates
