@@ -70,7 +70,7 @@ MIN_BALLAST_CORES = 0.01
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `tandem bench` options (defaults from BenchOptions)."""
     d = BenchOptions()
-    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d, vllm-server, ray-serve-llm, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
+    p.add_argument("--scenarios", default=d.scenarios, help=f"comma-separated: colocated[:N], <P>p<D>d[@<policy>[+conditional]][[<routing field>=<value>,...]], vllm-server, ray-serve-llm, fault:prefill, fault:decode (default {DEFAULT_SCENARIOS}; with --address {DEFAULT_CLUSTER_SCENARIOS})")
     p.add_argument("--client", choices=["tandem", "vllm"], default=d.client,
                    help="load generator: Tandem's own (all tables and plots) or vLLM's `vllm bench serve` on the random workload (default %(default)s)")
     p.add_argument("--rounds", type=int, default=d.rounds,

@@ -9,7 +9,10 @@ Tandem's 1P1D is measured against: benchmarks/ray_serve_llm.py), or `fault:prefi
 `fault:decode` (a 1P1D whose prefill or decode engine is SIGKILLed under load:
 benchmarks/faults.py). Every Tandem scenario is the bench's
 base config with only its pools replaced, so the model, engine args, connector settings and
-core binding stay the same.
+core binding stay the same; a disaggregated one may also set its routing policy
+(`2p1d@kv_aware`, `+conditional`) and any other `routing` field in brackets
+(`3p1d@kv_aware[prefill_speed_samples=16,evict_cost=2]`), so that routing options are set
+side by side in the same rounds rather than in runs minutes apart on a host whose speed drifts.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from typing import Any, Literal, get_args
 import httpx
 import msgspec
 import psutil
+import yaml
 
 from actors.run_dir import shared_memory, unlink_shared_memory
 from benchmarks import ray_serve_llm
 from orchestrator.cluster import NAMESPACE, start_embedded_ray
-from orchestrator.config import Policy, PoolConfig, TandemConfig
+from orchestrator.config import Policy, PoolConfig, TandemConfig, parse_config
 from orchestrator.models import hub_env, resolve_local
 from orchestrator.placement import omp_binding
 
@@ -52,7 +56,10 @@ DEFAULT_SCENARIOS = "colocated:1,1p1d,vllm-server,ray-serve-llm"
 DEFAULT_CLUSTER_SCENARIOS = "colocated:1,1p1d"
 
 _COLOCATED = re.compile(r"^colocated(?::(?P<n>\d+))?$")
-_XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d(?:@(?P<routing>[a-z_]+)(?P<conditional>\+conditional)?)?$")
+_XPYD = re.compile(r"^(?P<p>\d+)p(?P<d>\d+)d(?:@(?P<routing>[a-z_]+)(?P<conditional>\+conditional)?)?"
+                   r"(?:\[(?P<overrides>[^\[\]]*)\])?$")
+# Routing fields a scenario's brackets may not set: its name sets them (@<policy>, +conditional).
+_NAMED_ROUTING = ("policy", "disaggregation")
 POLICIES: tuple[str, ...] = get_args(Policy)
 _FAULT = re.compile(r"^fault:(?P<role>prefill|decode)$")
 
@@ -71,6 +78,9 @@ class Scenario(msgspec.Struct, frozen=True):
     # this deployment runs, so one bench compares policies side by side; None: the config's.
     policy: str | None = None
     conditional: bool = False
+    # <P>p<D>d...[field=value,...]: other `routing` fields this deployment sets, in the order
+    # written, each value as YAML reads it.
+    routing: tuple[tuple[str, Any], ...] = ()
 
     @property
     def num_engines(self) -> int:
@@ -100,16 +110,41 @@ def parse_scenario(text: str) -> Scenario:
             raise ValueError(f"scenario {text!r}: disaggregated serving needs at least 1 prefill and 1 decode engine")
         if m["routing"] and m["routing"] not in POLICIES:
             raise ValueError(f"scenario {text!r}: unknown routing policy {m['routing']!r}; use one of {', '.join(POLICIES)}")
-        return Scenario(name, "disaggregated", num_prefill=p, num_decode=d, policy=m["routing"], conditional=bool(m["conditional"]))
+        routing = _routing_overrides(text, m["overrides"]) if m["overrides"] is not None else ()
+        return Scenario(name, "disaggregated", num_prefill=p, num_decode=d, policy=m["routing"],
+                        conditional=bool(m["conditional"]), routing=routing)
     if m := _FAULT.match(name):
         return Scenario(name, "disaggregated", num_prefill=1, num_decode=1, fault=m["role"])
-    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d[@<policy>[+conditional]] (e.g. 1p1d, "
-                     "2p1d@kv_aware+conditional), vllm-server, ray-serve-llm, fault:prefill or fault:decode")
+    raise ValueError(f"unknown scenario {text!r}; use colocated[:N], <P>p<D>d[@<policy>[+conditional]][[<routing field>=<value>,...]] "
+                     "(e.g. 1p1d, 2p1d@kv_aware+conditional, 3p1d@kv_aware[evict_cost=2]), vllm-server, ray-serve-llm, "
+                     "fault:prefill or fault:decode")
+
+
+def _routing_overrides(text: str, written: str) -> tuple[tuple[str, Any], ...]:
+    """`field=value,...` from a scenario's brackets, each field checked as the config file's
+    `routing` section would check it; ValueError naming the field and the fix otherwise."""
+    pairs: list[tuple[str, Any]] = []
+    for item in written.split(","):
+        field, eq, value = item.partition("=")
+        field = field.strip()
+        if not eq or not field or not value.strip():
+            raise ValueError(f"scenario {text!r}: {item.strip()!r} is not <routing field>=<value>; e.g. 3p1d@kv_aware[evict_cost=2]")
+        if field in _NAMED_ROUTING:
+            raise ValueError(f"scenario {text!r}: routing.{field} is set by the name (@<policy>, +conditional), not in brackets")
+        if field in dict(pairs):
+            raise ValueError(f"scenario {text!r}: routing.{field} given more than once")
+        pairs.append((field, yaml.safe_load(value)))
+    try:
+        parse_config({"routing": dict(pairs)}, source=f"scenario {text.strip()!r}")
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+    return tuple(pairs)
 
 
 def parse_scenarios(text: str) -> list[Scenario]:
-    """A comma-separated list, in the order given, each name at most once."""
-    scenarios = [parse_scenario(part) for part in text.split(",") if part.strip()]
+    """A comma-separated list (commas inside a scenario's brackets do not count), in the
+    order given, each name at most once."""
+    scenarios = [parse_scenario(part) for part in re.split(r",(?![^\[\]]*\])", text) if part.strip()]
     if not scenarios:
         raise ValueError("no scenario given; e.g. --scenarios colocated:1,1p1d")
     names = [s.name for s in scenarios]
@@ -143,6 +178,7 @@ def scenario_config(base: TandemConfig, scenario: Scenario, port: int, side_chan
     if scenario.policy is not None:
         routing = msgspec.structs.replace(routing, policy=scenario.policy,
                                           disaggregation="conditional" if scenario.conditional else "always")
+    routing = msgspec.structs.replace(routing, **dict(scenario.routing))
     kv = msgspec.structs.replace(base.kv_transfer, side_channel_base_port=side_channel_base_port)
     if scenario.kind not in ("disaggregated", "ray-serve-llm"):
         pools: dict[str, PoolConfig | None] = {"colocated": pool(base.colocated, base.decode, replicas=scenario.num_decode), "prefill": None, "decode": None}

@@ -815,13 +815,14 @@ class Router:
     def _timed_prefill(self, engine: EngineRef, tokens_ahead: float | None, seconds: float) -> None:
         """A prefill on `engine` answered after `seconds`, kv_aware having expected
         `tokens_ahead` prompt tokens before its first (None: it did not choose the replica)."""
-        if tokens_ahead is not None:
-            self.speed.observe(engine.engine_id, tokens_ahead, seconds)
-            rates = self.speed.rates
-            if rates.keys() != self.stats.prefill_seconds_per_token.keys():
-                logger.info("kv_aware now prices prefill replicas by the speed learned from their prefills: %s",
-                            ", ".join(f"{e} {1000 * r:.3f} ms a prompt token" for e, r in sorted(rates.items())) or "none")
-            self.stats.prefill_seconds_per_token = rates
+        if tokens_ahead is None or not self.speed.min_samples:
+            return
+        self.speed.observe(engine.engine_id, tokens_ahead, seconds)
+        rates = self.speed.rates
+        if rates.keys() != self.stats.prefill_seconds_per_token.keys():
+            logger.info("kv_aware now prices prefill replicas by the speed learned from their prefills: %s",
+                        ", ".join(f"{e} {1000 * r:.3f} ms a prompt token" for e, r in sorted(rates.items())) or "none")
+        self.stats.prefill_seconds_per_token = rates
 
     async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str,
                             prompt: PromptKeys | None, forward: bool) -> Any:

@@ -90,6 +90,37 @@ def test_a_bad_scenario_name_says_what_is_accepted(text: str) -> None:
         parse_scenario(text)
 
 
+def test_a_scenario_sets_routing_fields_in_brackets_as_the_config_file_would() -> None:
+    """Routing options compared in the same rounds: the brackets' fields reach the deployed
+    config, typed as YAML reads them, and the comma inside them does not split the list."""
+    both = parse_scenarios("3p1d@kv_aware, 3p1d@kv_aware[prefill_speed_samples=16, evict_cost=2.5]")
+    assert [s.name for s in both] == ["3p1d@kv_aware", "3p1d@kv_aware[prefill_speed_samples=16, evict_cost=2.5]"]
+    assert both[1].routing == (("prefill_speed_samples", 16), ("evict_cost", 2.5))
+    cfg = scenario_config(BASE, both[1], port=9100, side_channel_base_port=7100)
+    assert (cfg.routing.policy, cfg.routing.disaggregation) == ("kv_aware", "always")
+    assert (cfg.routing.prefill_speed_samples, cfg.routing.evict_cost) == (16, 2.5)
+    assert scenario_config(BASE, both[0], 9100, 7100).routing.prefill_speed_samples == BASE.routing.prefill_speed_samples
+    conditional = parse_scenario("2p1d@kv_aware+conditional[first_token=decode]")
+    assert scenario_config(BASE, conditional, 9100, 7100).routing.disaggregation == "conditional"
+    assert scenario_config(BASE, conditional, 9100, 7100).routing.first_token == "decode"
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("3p1d@kv_aware[evict_cost=-1]", r"routing\.evict_cost"),  # the config's own bound
+    ("3p1d@kv_aware[evict_costs=2]", "evict_costs"),  # no such field
+    ("3p1d@kv_aware[first_token=both]", r"routing\.first_token"),
+    ("3p1d@kv_aware[evict_cost]", "not <routing field>=<value>"),
+    ("3p1d@kv_aware[evict_cost=1,evict_cost=2]", "more than once"),
+    ("3p1d@kv_aware[policy=round_robin]", r"set by the name"),
+    ("3p1d@kv_aware[disaggregation=never]", r"set by the name"),
+    ("3p1d@kv_aware[evict_cost=1", "unknown scenario"),
+])
+def test_a_bad_routing_field_in_a_scenario_names_the_field_and_the_scenario(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says) as err:
+        parse_scenarios(f"3p1d@round_robin,{text}")
+    assert "scenario" in str(err.value)
+
+
 def test_a_list_keeps_its_order_and_refuses_duplicates() -> None:
     assert [s.name for s in parse_scenarios("1p1d, colocated:1,vllm-server")] == ["1p1d", "colocated:1", "vllm-server"]
     with pytest.raises(ValueError, match="more than once"):

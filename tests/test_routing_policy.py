@@ -10,7 +10,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -610,6 +610,14 @@ class CachingEngine(FakeEngineBase):
         yield output("x", [7], finished=True, finish_reason="length", num_cached_tokens=cached, kv_transfer_params=params)
 
 
+async def serve_traced(router: Router, traces: list[RequestTrace], prompt: list[int], max_tokens: int = 2) -> None:
+    """Serves `prompt` to its end; its trace joins `traces` before routing starts, so a test
+    can wait on its decisions while it runs."""
+    traces.append(trace := RequestTrace())
+    async for _ in router.generate(EngineRequest(f"r{len(traces)}", prompt, SamplingParams(max_tokens=max_tokens)), trace):
+        pass
+
+
 def serve_one(router: Router, prompt: list[int], trace: RequestTrace) -> list[RequestOutput]:
     async def go() -> list[RequestOutput]:
         router.cache.sync()  # type: ignore[union-attr]
@@ -791,11 +799,8 @@ def test_a_remote_prefill_goes_to_the_replica_that_does_not_share_the_local_pref
     router = Router([p0.ref("prefill", (0,)), p1.ref("prefill", (1,)), decode.ref("decode", (0,))], cfg)
     traces: list[RequestTrace] = []
 
-    async def one(start: int) -> None:
-        traces.append(trace := RequestTrace())
-        req = EngineRequest(f"r{start}", list(range(start, start + 4 * BLOCK)), SamplingParams(max_tokens=1))
-        async for _ in router.generate(req, trace):
-            pass
+    def one(start: int) -> Coroutine[None, None, None]:
+        return serve_traced(router, traces, list(range(start, start + 4 * BLOCK)), max_tokens=1)
 
     async def go() -> None:
         assert router.cache is not None
@@ -854,27 +859,22 @@ def _decode_busy_then(router: Router, decode: GatedEngine, then: list[list[int]]
     default), then opens the gate, lets them all end and serves each prompt of `after` in turn."""
     traces: list[RequestTrace] = []
 
-    async def one(prompt: list[int]) -> None:
-        traces.append(trace := RequestTrace())
-        async for _ in router.generate(EngineRequest(f"r{len(traces)}", prompt, SamplingParams(max_tokens=2)), trace):
-            pass
-
     async def go() -> None:
         assert router.cache is not None
         router.cache.sync()
         await asyncio.sleep(0.05)
         decode.gate.clear()
-        running = [asyncio.create_task(one(list(range(50_000, 50_000 + 20 * BLOCK))))]
+        running = [asyncio.create_task(serve_traced(router, traces, list(range(50_000, 50_000 + 20 * BLOCK))))]
         while not router.pools["decode"].outstanding.get(decode.name):
             await asyncio.sleep(0.005)
         for prompt in then:
-            running.append(asyncio.create_task(one(prompt)))
+            running.append(asyncio.create_task(serve_traced(router, traces, prompt)))
             while len(traces) < len(running) or not until(traces[-1]):
                 await asyncio.sleep(0.005)
         decode.gate.set()
         await asyncio.gather(*running)
         for prompt in after:
-            await one(prompt)
+            await serve_traced(router, traces, prompt)
         await router.close()
 
     asyncio.run(asyncio.wait_for(go(), timeout=10))
@@ -1490,21 +1490,16 @@ def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so() -> N
     fresh = [list(range(10_000 * k, 10_000 * k + rng.randint(2, 12) * BLOCK)) for k in range(1, 19)]
     traces: list[RequestTrace] = []
 
-    async def one(prompt: list[int]) -> None:
-        traces.append(trace := RequestTrace())
-        async for _ in router.generate(EngineRequest(f"r{len(traces)}", prompt, SamplingParams(max_tokens=2)), trace):
-            pass
-
     async def go() -> None:
         assert router.cache is not None
         router.cache.sync()
         await asyncio.sleep(0.05)
         for prompt in fresh:
-            await one(prompt)
+            await serve_traced(router, traces, prompt)
         # A queue on the fast replica longer than what the slow one's rate costs: the slow one.
         fast_ref = router.pools["prefill"].engines[0]
         router.pools["prefill"].acquire(fast_ref, 10.0 * len(fresh[0]))
-        await one(list(range(900_000, 900_000 + len(fresh[0]))))
+        await serve_traced(router, traces, list(range(900_000, 900_000 + len(fresh[0]))))
         router.pools["prefill"].release(fast_ref, 10.0 * len(fresh[0]))
         await router.close()
 
