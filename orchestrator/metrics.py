@@ -106,6 +106,13 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     )
     for engine, seconds in stats.prefill_seconds_per_token.items():
         speed.add_metric([app, engine], seconds)
+    fixed = GaugeMetricFamily(
+        "tandem_prefill_fixed_seconds",
+        "A prefill replica's time per prefill beyond its prompt tokens' (hops, its cores' other work), as this ingress replica's kv_aware router learned it",
+        labels=["app", "engine"],
+    )
+    for engine, seconds in stats.prefill_fixed_seconds.items():
+        fixed.add_metric([app, engine], seconds)
     return [
         _counted("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
         _counted("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
@@ -115,6 +122,7 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
         in_flight,
         decisions,
         speed,
+        fixed,
     ]
 
 

@@ -348,9 +348,10 @@ class RouterStats(msgspec.Struct):
     # Disaggregation decisions, keyed "decision:reason" (orchestrator.disaggregation).
     decisions: dict[str, int] = msgspec.field(default_factory=lambda: _zeros(*(f"{d}:{r}" for d, r in DECISIONS)))
     in_flight: int = 0
-    # Each prefill replica's time per prompt token as kv_aware learned it (orchestrator.speed),
-    # once the replica answered routing.prefill_speed_samples prefills.
+    # Each prefill replica's time per prompt token and fixed time per prefill as kv_aware
+    # learned them (orchestrator.speed), once it answered routing.prefill_speed_samples prefills.
     prefill_seconds_per_token: dict[str, float] = {}
+    prefill_fixed_seconds: dict[str, float] = {}
 
 
 class CoreNeighbours:
@@ -436,7 +437,7 @@ class Router:
             picker.set_engines([e for e in engines if e.role == role])
         self._neighbours = CoreNeighbours(self.engines)
         self.speed.keep([e.engine_id for e in self.pools["prefill"].engines] if self.disaggregated else [])
-        self.stats.prefill_seconds_per_token = self.speed.rates
+        self._learned_lines()
         self.streams.keep({e.stream_address for e in engines})
         if self.cache is not None:
             self.cache.set_engines([e for p in self.pools.values() if self._follows(p) for e in p.engines])
@@ -493,8 +494,9 @@ class Router:
                      for e, c, room in zip(candidates, cached, rooms)]
             if candidates[0].role != "decode":  # a decode replica's queue is the KV it holds, not prompts
                 facts, _ = self._on_shared_cores(candidates, facts)
-            if candidates[0].role == "prefill" and (slow := self.speed.slowdowns([e.engine_id for e in candidates])):
-                facts = [msgspec.structs.replace(f, slowdown=slow[f.engine_id]) for f in facts]
+            if candidates[0].role == "prefill" and (prices := self.speed.prices([e.engine_id for e in candidates])):
+                facts = [msgspec.structs.replace(f, slowdown=prices[f.engine_id].slowdown,
+                                                 delay_tokens=prices[f.engine_id].delay_tokens) for f in facts]
             best, scores = rank(facts, len(prompt.token_ids), self.routing)
             engine = next(e for e in candidates if best is not None and e.engine_id == best.engine_id)
             if trace is not None:
@@ -818,11 +820,18 @@ class Router:
         if tokens_ahead is None or not self.speed.min_samples:
             return
         self.speed.observe(engine.engine_id, tokens_ahead, seconds)
-        rates = self.speed.rates
-        if rates.keys() != self.stats.prefill_seconds_per_token.keys():
+        self._learned_lines()
+
+    def _learned_lines(self) -> None:
+        """The prefill replicas' learned lines into the stats (/metrics), and one log line
+        whenever the set of replicas priced by them changes."""
+        lines = self.speed.lines
+        if lines.keys() != self.stats.prefill_seconds_per_token.keys():
             logger.info("kv_aware now prices prefill replicas by the speed learned from their prefills: %s",
-                        ", ".join(f"{e} {1000 * r:.3f} ms a prompt token" for e, r in sorted(rates.items())) or "none")
-        self.stats.prefill_seconds_per_token = rates
+                        ", ".join(f"{e} {1000 * line.fixed:.1f} ms + {1000 * line.per_token:.3f} ms a prompt token"
+                                  for e, line in sorted(lines.items())) or "none")
+        self.stats.prefill_seconds_per_token = {e: line.per_token for e, line in lines.items()}
+        self.stats.prefill_fixed_seconds = {e: line.fixed for e, line in lines.items()}
 
     async def _prefill_once(self, engine: EngineRef, request: EngineRequest, request_id: str,
                             prompt: PromptKeys | None, forward: bool) -> Any:

@@ -66,10 +66,12 @@ class EngineFacts(msgspec.Struct, frozen=True):
     # docs/bench-results.md run 122), which `ahead_tokens` prices higher and `rank` breaks
     # exact ties on.
     computing_neighbours: int = 0
-    # The replica's time per prompt token over the fastest candidate's, as the router learned
-    # it from the prefills it timed there (orchestrator.speed); None until it has: then the
-    # decode engines beside it price it (`ahead_tokens`).
+    # The replica's time per prompt token over the fastest candidate's, and its fixed time per
+    # prefill beyond the least one's in the fastest's tokens, as the router learned them from
+    # the prefills it timed there (orchestrator.speed); None until it has: then the decode
+    # engines beside it price it (`ahead_tokens`).
     slowdown: float | None = None
+    delay_tokens: float = 0.0
 
 
 Scorer = Callable[[EngineFacts, int, RoutingConfig], float]
@@ -104,13 +106,14 @@ def queue_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
 
 def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """`queue_tokens` in the time the fastest candidate takes to compute a token: times the
-    replica's learned `slowdown`, or until it is learned, stretched for each decode engine
+    replica's learned `slowdown` plus its learned `delay_tokens`, or until they are learned,
+    stretched for each decode engine
     decoding beside it, by its forward passes or only its processes. Between replicas of one
     pool only the rate differs (the request's way to them and its KV's from them are alike),
     so the rates apply; the disaggregation decider, which sets a replica against the decode
     engine itself, prices them its own way."""
     if f.slowdown is not None:
-        return queue_tokens(f, n, cfg) * f.slowdown
+        return queue_tokens(f, n, cfg) * f.slowdown + f.delay_tokens
     processes = f.decoding_neighbours - f.computing_neighbours
     return queue_tokens(f, n, cfg) * (1 + BESIDE_FORWARD_PASSES * f.computing_neighbours + BESIDE_PROCESSES * processes)
 

@@ -31,7 +31,7 @@ from orchestrator.metrics import TandemMetrics
 from orchestrator.protocol import EngineRef
 from orchestrator.router import CoreNeighbours, RequestTrace, Router
 from orchestrator.scoring import EngineFacts, ahead_tokens, queue_tokens, rank, score, tier_tokens
-from orchestrator.speed import MAX_SLOWDOWN, PrefillSpeed
+from orchestrator.speed import MAX_SLOWDOWN, PrefillSpeed, Price
 from tests.fake_engine import FakeEngineBase
 from tests.outputs import output
 
@@ -1414,76 +1414,96 @@ def test_an_engine_dropped_and_listed_again_is_followed_into_its_new_view() -> N
 # ---- learned prefill speed ------------------------------------------------------------------
 
 
-def _timed(speed: PrefillSpeed, rates: dict[str, float], n: int, rng: random.Random, intercept: float = 0.004) -> None:
+def _timed(speed: PrefillSpeed, lines: dict[str, tuple[float, float]], n: int, rng: random.Random,
+           tokens: tuple[float, float] = (16, 600)) -> None:
+    """`n` answers from each replica of `lines` (fixed seconds, seconds a token), a little noisy."""
     for _ in range(n):
-        for engine, rate in rates.items():
-            tokens = rng.uniform(16, 600)
-            speed.observe(engine, tokens, intercept + rate * tokens + rng.gauss(0, 0.0005))
+        for engine, (fixed, rate) in lines.items():
+            x = rng.uniform(*tokens)
+            speed.observe(engine, x, fixed + rate * x + rng.gauss(0, 0.0005))
 
 
-def test_prefill_speed_fits_each_replicas_time_per_token_past_the_shared_hop() -> None:
-    """Seconds = a hop every replica pays + its own time per token: the fit separates the two,
-    so a replica sent short remainders is not priced slower for the hop (a ratio of sums would
-    price it 0.2 + 4/100 ms a token against 0.2 + 4/500 for one sent whole prompts)."""
+def test_prefill_speed_fits_each_replicas_fixed_time_and_time_per_token() -> None:
+    """Seconds = a fixed part (the hops, its cores' work for every request) + a time per token,
+    per replica: a replica slower per token is priced by a factor, one with more fixed time by
+    that time in the fastest's tokens, and a replica sent short remainders is not priced
+    slower per token for its fixed part (a ratio of sums would price it 0.2 + 4/100 ms a
+    token against 0.2 + 4/500 for one sent whole prompts)."""
     rng = random.Random(0)
     speed = PrefillSpeed(min_samples=16)
-    _timed(speed, {"a": 0.0002, "b": 0.0003}, 15, rng)
-    assert speed.rates == {} and speed.slowdowns(["a", "b"]) is None  # not yet enough answers
-    _timed(speed, {"a": 0.0002, "b": 0.0003}, 1, rng)
-    assert speed.rates == pytest.approx({"a": 0.0002, "b": 0.0003}, rel=0.05)
-    assert speed.slowdowns(["a", "b"]) == pytest.approx({"a": 1.0, "b": 1.5}, rel=0.05)
-    assert speed.slowdowns(["b"]) is None and speed.slowdowns(["a", "c"]) is None  # one rate says nothing
-    # c has answered none yet: priced as the fastest, so that it is tried and timed.
-    assert speed.slowdowns(["b", "c", "a"]) == pytest.approx({"a": 1.0, "b": 1.5, "c": 1.0}, rel=0.05)
-    # Short remainders on `a`, whole prompts on `b`, at one rate: priced alike.
+    lines = {"a": (0.004, 0.0002), "b": (0.004, 0.0003), "c": (0.014, 0.0002)}
+    _timed(speed, lines, 15, rng)
+    assert speed.lines == {} and speed.prices(["a", "b"]) is None  # not yet enough answers
+    _timed(speed, lines, 1, rng)
+    assert {e: (line.fixed, line.per_token) for e, line in speed.lines.items()} == {
+        e: (pytest.approx(f, abs=0.0015), pytest.approx(r, rel=0.1)) for e, (f, r) in lines.items()}
+    prices = speed.prices(["a", "b", "c"])
+    assert prices is not None and prices["a"] == Price()
+    assert prices["b"].slowdown == pytest.approx(1.5, rel=0.1) and prices["b"].delay_tokens == 0.0
+    assert prices["c"].slowdown == 1.0 and prices["c"].delay_tokens == pytest.approx(50, rel=0.3)  # 10 ms at 0.2 ms
+    assert speed.prices(["b"]) is None and speed.prices(["a", "d"]) is None  # one line says nothing
+    # d has answered none yet: priced as the fastest, so that it is tried and timed.
+    assert speed.prices(["b", "d", "a"]) == {"a": Price(), "b": prices["b"], "d": Price()}
+    # Short remainders on `a`, whole prompts on `b`, one line: priced alike.
     short = PrefillSpeed(min_samples=16)
-    for _ in range(40):
-        for engine, (lo, hi) in (("a", (16, 150)), ("b", (300, 900))):
-            tokens = rng.uniform(lo, hi)
-            short.observe(engine, tokens, 0.004 + 0.0002 * tokens)
-    assert short.slowdowns(["a", "b"]) == {"a": 1.0, "b": 1.0}
-    # Rates 3% apart are one rate (the fit's noise): exact ties, which rotate.
+    _timed(short, {"a": (0.004, 0.0002)}, 40, rng, tokens=(16, 150))
+    _timed(short, {"b": (0.004, 0.0002)}, 40, rng, tokens=(300, 900))
+    assert short.prices(["a", "b"]) == {"a": Price(), "b": Price()}
+    # Rates 3% apart and fixed times 2% of a mean prefill apart are one line (the fit's
+    # noise): exact ties, which rotate.
     near = PrefillSpeed(min_samples=16)
-    _timed(near, {"a": 0.0002, "b": 0.000206}, 40, rng, intercept=0.0)
-    assert near.slowdowns(["a", "b"]) == {"a": 1.0, "b": 1.0}
+    _timed(near, {"a": (0.004, 0.0002), "b": (0.0055, 0.000206)}, 60, rng)
+    assert near.prices(["a", "b"]) == {"a": Price(), "b": Price()}
+    # Prompts all of one size do not tell a fixed time from a rate: the line goes through 0.
+    alike = PrefillSpeed(min_samples=4)
+    _timed(alike, {"a": (0.004, 0.0002)}, 8, rng, tokens=(400, 420))
+    assert alike.lines["a"].fixed == 0.0 and alike.lines["a"].per_token == pytest.approx(0.0002 + 0.004 / 410, rel=0.05)
 
 
 def test_prefill_speed_follows_a_replica_that_speeds_up_and_forgets_removed_ones() -> None:
     rng = random.Random(1)
     speed = PrefillSpeed(min_samples=8)
-    _timed(speed, {"a": 0.0002, "b": 0.0004}, 64, rng)
-    assert speed.slowdowns(["a", "b"])["b"] == pytest.approx(2.0, rel=0.05)  # type: ignore[index]
-    _timed(speed, {"a": 0.0002, "b": 0.0002}, 256, rng)  # b's decode neighbour went idle
-    assert speed.slowdowns(["a", "b"])["b"] < 1.1  # type: ignore[index]
-    _timed(speed, {"a": 0.0002, "b": 0.002}, 256, rng)  # a stalled host: 10x, priced at most 4x
-    assert speed.slowdowns(["a", "b"])["b"] == MAX_SLOWDOWN  # type: ignore[index]
+    _timed(speed, {"a": (0.004, 0.0002), "b": (0.004, 0.0004)}, 64, rng)
+    assert speed.prices(["a", "b"])["b"].slowdown == pytest.approx(2.0, rel=0.05)  # type: ignore[index]
+    _timed(speed, {"a": (0.004, 0.0002), "b": (0.004, 0.0002)}, 256, rng)  # b's decode neighbour went idle
+    assert speed.prices(["a", "b"])["b"].slowdown < 1.1  # type: ignore[index]
+    # A stalled host: 10x per token and a second a prefill, priced at most 4x a's rate and 3x
+    # a's time for a prompt of the mean size (308 tokens) on top.
+    _timed(speed, {"a": (0.004, 0.0002), "b": (1.0, 0.002)}, 256, rng)
+    b = speed.prices(["a", "b"])["b"]  # type: ignore[index]
+    assert b.slowdown == MAX_SLOWDOWN and b.delay_tokens == pytest.approx(3 * (0.004 / 0.0002 + 308), rel=0.1)
     speed.keep(["a"])
-    assert set(speed.rates) == {"a"} and speed.slowdowns(["a", "b"]) is None
+    assert set(speed.lines) == {"a"} and speed.prices(["a", "b"]) is None
     off = PrefillSpeed(min_samples=0)
-    _timed(off, {"a": 0.0002}, 64, rng)
-    assert off.rates == {}
+    _timed(off, {"a": (0.004, 0.0002)}, 64, rng)
+    assert off.lines == {}
 
 
 class PacedEngine(CachingEngine):
-    """A CachingEngine that computes each prompt token it has not cached for `ms_per_token`."""
+    """A CachingEngine that takes `fixed_ms` and `ms_per_token` for each prompt token."""
 
-    def __init__(self, name: str, ms_per_token: float) -> None:
+    def __init__(self, name: str, ms_per_token: float, fixed_ms: float = 0.0) -> None:
         super().__init__(name)
         self.ms_per_token = ms_per_token
+        self.fixed_ms = fixed_ms
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
-        await asyncio.sleep(len(req.prompt_token_ids) * self.ms_per_token / 1000)
+        await asyncio.sleep((self.fixed_ms + len(req.prompt_token_ids) * self.ms_per_token) / 1000)
         async for out in super().generate(req):
             yield out
 
 
-def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so() -> None:
+@pytest.mark.parametrize(("slow_ms_per_token", "slow_fixed_ms"), [(0.3, 0.0), (0.1, 20.0)])
+def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so(slow_ms_per_token: float,
+                                                                           slow_fixed_ms: float) -> None:
     """Two prefill replicas on GPUs (no cores shared: no fixed factor tells them apart), one
-    computing a token 3x slower. Until each has answered `prefill_speed_samples` prefills
-    kv_aware scores them alike and fresh prompts alternate; then the slow one's tokens cost 3x
-    and fresh prompts go to the fast one, unless its queue is longer than the difference. The
-    learned rates are on /metrics."""
-    fast, slow, decode = PacedEngine("fast", 0.1), PacedEngine("slow", 0.3), CachingEngine("d")
+    computing a token 3x slower, or taking 20 ms more for every prefill (what other work on its
+    cores does to each request on a small host). Until each has answered
+    `prefill_speed_samples` prefills kv_aware scores them alike and fresh prompts alternate;
+    then the slow one costs its learned difference and fresh prompts go to the fast one, unless
+    its queue is longer than the difference. The learned lines are on /metrics."""
+    fast, decode = PacedEngine("fast", 0.1), CachingEngine("d")
+    slow = PacedEngine("slow", slow_ms_per_token, slow_fixed_ms)
     router = Router([fast.ref("prefill"), slow.ref("prefill"), decode.ref("decode")],
                     RoutingConfig(policy="kv_aware", prefill_speed_samples=6))
     rng = random.Random(2)
@@ -1498,9 +1518,9 @@ def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so() -> N
             await serve_traced(router, traces, prompt)
         # A queue on the fast replica longer than what the slow one's rate costs: the slow one.
         fast_ref = router.pools["prefill"].engines[0]
-        router.pools["prefill"].acquire(fast_ref, 10.0 * len(fresh[0]))
+        router.pools["prefill"].acquire(fast_ref, 20.0 * len(fresh[0]))
         await serve_traced(router, traces, list(range(900_000, 900_000 + len(fresh[0]))))
-        router.pools["prefill"].release(fast_ref, 10.0 * len(fresh[0]))
+        router.pools["prefill"].release(fast_ref, 20.0 * len(fresh[0]))
         await router.close()
 
     asyncio.run(asyncio.wait_for(go(), timeout=30))
@@ -1508,8 +1528,13 @@ def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so() -> N
     assert on[:12].count("fast") == 6, on  # learning: alike, so they alternate
     assert on[12:] == ["fast"] * 6, on
     assert traces[12].scores["fast"] > traces[12].scores["slow"], traces[12].scores
-    rates = router.stats.prefill_seconds_per_token
-    assert set(rates) == {"fast", "slow"} and rates["slow"] / rates["fast"] > 2, rates
+    rates, fixed = router.stats.prefill_seconds_per_token, router.stats.prefill_fixed_seconds
+    assert set(rates) == set(fixed) == {"fast", "slow"}, (rates, fixed)
+    if slow_fixed_ms:
+        assert fixed["slow"] - fixed["fast"] > 0.01, fixed
+    else:
+        assert rates["slow"] / rates["fast"] > 2, rates
     assert slow.requests[-1].prompt_token_ids[0] == 900_000  # the queue on fast outweighs its speed
     page = TandemMetrics("app").render([], {}, router=router.stats).decode()
     assert f'tandem_prefill_seconds_per_token{{app="app",engine="slow"}} {rates["slow"]}' in page
+    assert f'tandem_prefill_fixed_seconds{{app="app",engine="slow"}} {fixed["slow"]}' in page
