@@ -8,7 +8,7 @@ deployment that silently recomputes shows up as zero external tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -79,9 +79,11 @@ def _tier_families(app: str, status: DeploymentStatus | None) -> Iterable[Metric
     return families
 
 
-def _counted(name: str, doc: str, app: str, label: str, counts: dict[str, int]) -> Metric:
-    family = CounterMetricFamily(name, doc, labels=["app", label])
-    for value, n in counts.items():
+def _by_label(name: str, doc: str, app: str, label: str, values: Mapping[str, float],
+              kind: type[CounterMetricFamily | GaugeMetricFamily] = CounterMetricFamily) -> Metric:
+    """One family of counts (or gauges, `kind`) of this ingress replica, a sample per `label` value."""
+    family = kind(name, doc, labels=["app", label])
+    for value, n in values.items():
         family.add_metric([app, value], n)
     return family
 
@@ -99,30 +101,20 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     )
     for key, n in stats.decisions.items():
         decisions.add_metric([app, *key.split(":")], n)
-    speed = GaugeMetricFamily(
-        "tandem_prefill_seconds_per_token",
-        "A prefill replica's time per prompt token, as this ingress replica's kv_aware router learned it from the prefills it timed there",
-        labels=["app", "engine"],
-    )
-    for engine, seconds in stats.prefill_seconds_per_token.items():
-        speed.add_metric([app, engine], seconds)
-    fixed = GaugeMetricFamily(
-        "tandem_prefill_fixed_seconds",
-        "A prefill replica's time per prefill beyond its prompt tokens' (hops, its cores' other work), as this ingress replica's kv_aware router learned it",
-        labels=["app", "engine"],
-    )
-    for engine, seconds in stats.prefill_fixed_seconds.items():
-        fixed.add_metric([app, engine], seconds)
     return [
-        _counted("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
-        _counted("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
+        _by_label("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
+        _by_label("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
         migrations,
-        _counted("tandem_requests_failed", "Requests that could not be served: no engine left, or past routing.max_migrations", app, "reason", stats.failed),
-        _counted("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", app, "phase", stats.aborts),
+        _by_label("tandem_requests_failed", "Requests that could not be served: no engine left, or past routing.max_migrations", app, "reason", stats.failed),
+        _by_label("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", app, "phase", stats.aborts),
         in_flight,
         decisions,
-        speed,
-        fixed,
+        _by_label("tandem_prefill_seconds_per_token",
+                  "A prefill replica's time per prompt token, as this ingress replica's kv_aware router learned it from the prefills it timed there",
+                  app, "engine", stats.prefill_seconds_per_token, GaugeMetricFamily),
+        _by_label("tandem_prefill_fixed_seconds",
+                  "A prefill replica's time per prefill beyond its prompt tokens' (hops, its cores' other work), as this ingress replica's kv_aware router learned it",
+                  app, "engine", stats.prefill_fixed_seconds, GaugeMetricFamily),
     ]
 
 
