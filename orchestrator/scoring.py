@@ -107,11 +107,10 @@ def queue_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
 def ahead_tokens(f: EngineFacts, n: int, cfg: RoutingConfig) -> float:
     """`queue_tokens` in the time the fastest candidate takes to compute a token: times the
     replica's learned `slowdown` plus its learned `delay_tokens`, or until they are learned,
-    stretched for each decode engine
-    decoding beside it, by its forward passes or only its processes. Between replicas of one
-    pool only the rate differs (the request's way to them and its KV's from them are alike),
-    so the rates apply; the disaggregation decider, which sets a replica against the decode
-    engine itself, prices them its own way."""
+    stretched for each decode engine decoding beside it, by its forward passes or only its
+    processes. Between replicas of one pool only their cores differ (the request's way to them
+    and its KV's from them are alike), so their speeds apply; the disaggregation decider,
+    which sets a replica against the decode engine itself, prices them its own way."""
     if f.slowdown is not None:
         return queue_tokens(f, n, cfg) * f.slowdown + f.delay_tokens
     processes = f.decoding_neighbours - f.computing_neighbours

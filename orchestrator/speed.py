@@ -7,9 +7,10 @@ scoring.BESIDE_*), but also with Ray's processes, Serve's and the ingress, which
 named. On the 2-core host, the two replicas on core 0 (the control plane's core) drew 73% of
 the long chats' turns, and pricing them 1.17x a prompt token took kv_aware from about 0.58x
 round robin's TTFT p50 to 0.52x (docs/bench-results.md, runs 161-162). So a router can
-learn every replica's rate from its own prefills (routing.prefill_speed_samples, off by
-default: on those long chats it routed and scored as the fixed factors did, runs 164-165): the seconds from sending one to its answer
-against the tokens it expected ahead of it (the replica's queue plus the request's own part),
+learn every replica's speed from its own prefills (routing.prefill_speed_samples, off by
+default: docs/design.md, "A learned line in place of the fixed factors", says why): the
+seconds from sending one to its answer against the tokens it expected ahead of it (the
+replica's queue plus the request's own part),
 fitted as a line per replica: a fixed part (the hops, and what else its cores do for every
 request: on the 2-core host Ray's, Serve's and the ingress's processes share core 0, and
 they work in bursts with each request) plus a time per prompt token. Once two candidates
@@ -33,11 +34,11 @@ HALF_LIFE = 64
 # The slowest a replica is priced against the fastest: a bound on what a few odd answers
 # (a replica restarting, a stall on the host) can do to the routing.
 MAX_SLOWDOWN = 4.0
-# Rates within this share of the fastest count as the fastest's, and fixed times within
-# this share of the best replica's time for a prefill of the mean size as the least one's: the fit moves by about as much
-# between answers (a replica's 0.250 ms a token was 0.240 two seconds later, run 164), and
-# replicas alike (GPUs, no core shared) keep the exact ties that send fresh prompts round
-# the pool.
+# Rates within this share of the fastest count as the fastest's, and fixed times within this
+# share of the best replica's time for a prefill of the mean size as the least one's: the fit
+# moves by about as much between answers (a replica's 0.250 ms a token was 0.240 two seconds
+# later, run 164), and replicas alike (GPUs, no core shared) keep the exact ties that send
+# fresh prompts round the pool.
 TOLERANCE = 0.05
 # The least variance of a replica's tokens, as a share of their mean square, that separates
 # its fixed time from its time per token (about a 0.23 coefficient of variation); below it,
