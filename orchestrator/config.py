@@ -183,13 +183,13 @@ class RoutingConfig(Struct, forbid_unknown_fields=True, frozen=True):
     evict_cost: Annotated[float, Meta(ge=0)] = 1.0
     # kv_aware leaves out replicas whose KV cache is at least this full, unless all are.
     max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
-    # kv_aware: prefills each prefill replica must have answered a router before the time
-    # per prompt token it learned from them (orchestrator.speed) prices the replica against
-    # the others, in place of fixed factors for the decode engines computing beside it (once
-    # two candidates have a rate; one not timed yet counts as the fastest). 0 (the default):
-    # never learned. For pools whose replicas differ (GPUs of two generations, hosts of
-    # other loads); on the 2-core host's long chats it matched the fixed factors
-    # (docs/bench-results.md, runs 164-165), e.g. 16.
+    # kv_aware: prefills each prefill replica must have answered a router before the line
+    # it learned from them (orchestrator.speed: a fixed time per prefill plus a time per
+    # prompt token) prices the replica against the others, in place of fixed factors for
+    # the decode engines computing beside it (once two candidates have a line; one not timed
+    # yet counts as the fastest). 0 (the default): never learned. For pools whose replicas
+    # differ (GPUs of two generations, hosts of other loads); on the 2-core host's long
+    # chats it matched the fixed factors (docs/bench-results.md, runs 164-167), e.g. 16.
     prefill_speed_samples: Annotated[int, Meta(ge=0)] = 0
     # Disaggregated deployments: whether a request is prefilled on the prefill pool
     # ("always"), on its decode engine ("never"), or per request ("conditional": on the
