@@ -32,7 +32,7 @@ import msgspec
 import psutil
 import ray
 
-from actors.affinity import node_cores, pin_process
+from actors.affinity import lacks_half_precision, node_cores, pin_process
 from actors.kv_events import KVEventFollower, hash_settings
 from actors.kv_index import TIER_SKIP
 from actors.load import LoadMeter
@@ -114,18 +114,11 @@ CPU_ENGINE_STOP_GRACE_S = 2.0
 
 
 def emulates_half_precision(dtype: Any) -> bool:
-    """Whether this host runs a model's `dtype` (bfloat16 or float16) matmuls without native
-    instructions: an x86 CPU without AVX-512, as torch sees it. vLLM's CPU build serves half
-    precision on every x86 host, but on an AMD EPYC with AVX2 only (2026-12-02) torch's
-    128x512x2048 matmul ran at 0.5 GFLOP/s in bfloat16 and 0.4 in float16 against 67 in
-    float32, and builtin:medium's prefill took 80x what it took on an AVX-512 host."""
-    import platform
-
+    """Whether this host runs a model's `dtype` matmuls without native instructions
+    (actors.affinity.lacks_half_precision: about 100x slower than float32)."""
     import torch
 
-    if dtype not in (torch.bfloat16, torch.float16) or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return dtype in (torch.bfloat16, torch.float16) and lacks_half_precision()
 
 
 def _observe_transfers(stats: EngineStats, data: dict[str, Any], slow_s: float) -> None:

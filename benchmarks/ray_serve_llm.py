@@ -29,6 +29,7 @@ from typing import Any
 
 from orchestrator.config import TandemConfig
 from orchestrator.models import hub_env, resolve_local
+from orchestrator.specs import local_engine_args
 
 # Logical CPUs of its Ray: Ray Serve LLM reserves one per engine bundle, per replica and for
 # its ingress; the cores they compute on are set by the OpenMP binding, not by these.
@@ -62,7 +63,7 @@ def pd_serving_args(cfg: TandemConfig, model_path: str, cores: list[int]) -> dic
         config: dict[str, Any] = {
             "model_loading_config": {"model_id": cfg.model.name, "model_source": model_path},
             "deployment_config": {"num_replicas": 1},
-            "engine_kwargs": {**cfg.engine_args_for(role),
+            "engine_kwargs": {**local_engine_args(cfg, role),
                               "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
             "runtime_env": {"env_vars": env},
         }

@@ -43,6 +43,7 @@ from orchestrator.cluster import NAMESPACE, start_embedded_ray
 from orchestrator.config import Policy, PoolConfig, TandemConfig, parse_config
 from orchestrator.models import hub_env, resolve_local
 from orchestrator.placement import omp_binding
+from orchestrator.specs import local_engine_args
 
 # "external": a server someone else runs (`tandem bench --target-url`), never parsed from a name.
 ScenarioKind = Literal["colocated", "disaggregated", "vllm-server", "ray-serve-llm", "external"]
@@ -298,7 +299,8 @@ def deployed(scenario: Scenario, base: TandemConfig, port: int, log_dir: Path) -
 
 def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` for a colocated config's one engine, with
-    the front-end flags Tandem's ingress runs (orchestrator.openai_app.frontend_args)."""
+    the front-end flags Tandem's ingress runs (orchestrator.openai_app.frontend_args) and the
+    engine args Tandem's engines on this host get (orchestrator.specs.local_engine_args)."""
     if cfg.colocated is None:
         raise ValueError("a plain vLLM server stands for one colocated engine; build its config with scenario_config")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
@@ -306,7 +308,7 @@ def vllm_server_command(cfg: TandemConfig, model_path: str) -> list[str]:
            "--enable-prompt-tokens-details", *cfg.serve.openai_args]
     if cfg.colocated.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(cfg.colocated.tensor_parallel_size)]
-    for key, value in cfg.engine_args_for("both").items():
+    for key, value in local_engine_args(cfg, "both").items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             cmd.append(flag)

@@ -17,7 +17,7 @@ import ray
 from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.affinity import node_cores
+from actors.affinity import lacks_half_precision, node_cores
 from actors.protocol import Role
 from orchestrator.config import PoolConfig
 from orchestrator.models import resolve_local
@@ -36,6 +36,9 @@ class NodeFacts(msgspec.Struct, frozen=True):
     cores: list[int]
     # The model as vLLM opens it on this node (see orchestrator.models.resolve_local).
     model_path: str
+    # Whether its CPU computes half precision without native instructions
+    # (actors.affinity.lacks_half_precision).
+    lacks_half_precision: bool = False
 
 
 class EngineSlot(msgspec.Struct, frozen=True):
@@ -76,12 +79,13 @@ class PortBases(msgspec.Struct, frozen=True):
 
 
 @ray.remote(num_cpus=0)
-def _probe(model_source: str) -> tuple[list[int], str]:
-    return node_cores(), resolve_local(model_source)
+def _probe(model_source: str) -> tuple[list[int], str, bool]:
+    return node_cores(), resolve_local(model_source), lacks_half_precision()
 
 
 async def node_facts(node_ids: set[str], model_source: str) -> dict[str, NodeFacts]:
-    """Probe each node with a zero-CPU task pinned to it: usable cores and the model folder.
+    """Probe each node with a zero-CPU task pinned to it: usable cores, the model folder and
+    whether its CPU computes half precision natively.
     (Awaited, so the pool manager's event loop keeps serving while a node prepares the model.)"""
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     nids = sorted(node_ids)
@@ -89,7 +93,7 @@ async def node_facts(node_ids: set[str], model_source: str) -> dict[str, NodeFac
         _probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(model_source)
         for nid in nids
     ))
-    return {nid: NodeFacts(nid, ips[nid], cores, model_path) for nid, (cores, model_path) in zip(nids, answers)}
+    return {nid: NodeFacts(nid, ips[nid], cores, model_path, lacks) for nid, (cores, model_path, lacks) in zip(nids, answers)}
 
 
 def _share(items: list[int], parts: int, i: int) -> list[int]:
@@ -243,6 +247,10 @@ class SlotAllocator:
         slot = _slot(f, side, stream, role, tp, mine, [s.cores or [] for r, s in here if r == "prefill"])
         self._live.append((role, slot))
         return slot
+
+    def lacking_half_precision(self) -> list[str]:
+        """The probed nodes whose CPUs compute half precision without native instructions."""
+        return sorted(n for n, f in self._facts.items() if f.lacks_half_precision)
 
     def release(self, slot: EngineSlot) -> None:
         self._live = [(r, s) for r, s in self._live if s != slot]

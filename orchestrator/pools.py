@@ -52,7 +52,15 @@ from orchestrator.protocol import (
     pool_role,
 )
 from orchestrator.router import RequestTrace, Router
-from orchestrator.specs import dtype_warning, engine_env, engine_spec, niceness_warning
+from orchestrator.specs import (
+    dtype_mismatch,
+    dtype_warning,
+    engine_env,
+    engine_spec,
+    float32_notice,
+    native_engine_args,
+    niceness_warning,
+)
 from orchestrator.tier import NODE_CHECK_S, CpuTier
 
 logger = logging.getLogger("tandem.pools")
@@ -200,6 +208,9 @@ class PoolManager:
         # Background loops started once serving: the autoscaler, the tier's node check.
         self._loops: list[asyncio.Task[None]] = []
         self._vllm_sampling: asyncio.Future[Any] | None = None  # vllm.sampling_params, imported by start()
+        # Whether the first replicas' CPU nodes lack native half precision: engines then get
+        # float32 where the config names no dtype, those added later too (specs.native_engine_args).
+        self._lacks_half_precision = False
 
     # ---- start ----
 
@@ -229,6 +240,10 @@ class PoolManager:
         nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for _, _, pg in planned]
         roles = [role for role, _, _ in planned]
         slots = await self.allocator.place_all(nodes, roles, [self.cfg.pools[role].tensor_parallel_size for role in roles])
+        if self.cfg.device == "cpu" and (lacking := self.allocator.lacking_half_precision()):
+            self._lacks_half_precision = True
+            if any(native_engine_args(args, True) != args for args in map(self.cfg.engine_args_for, self.cfg.pools)):
+                logger.warning(float32_notice(lacking))
         if self.tier is not None:
             await asyncio.gather(*(self.tier.ensure_store(n) for n in sorted(set(nodes))))
         for (role, engine_id, pg), slot in zip(planned, slots):
@@ -285,7 +300,7 @@ class PoolManager:
     def _create_actor(self, r: Replica) -> None:
         pool = self.cfg.pools[r.role]
         tier = self.tier.settings(r.role, r.slot.node_id) if self.tier is not None else None
-        spec = engine_spec(self.cfg, r.role, r.engine_id, r.slot, tier)
+        spec = engine_spec(self.cfg, r.role, r.engine_id, r.slot, tier, self._lacks_half_precision)
         r.handle = EngineActor.options(  # type: ignore[attr-defined]
             name=f"{self.app}:{r.engine_id}",
             max_restarts=-1,
@@ -398,6 +413,10 @@ class PoolManager:
         other pool, check its health once, and let it join routing. Returns why it could not,
         or None."""
         async with self._joining:
+            if (self.cfg.disaggregated or self.cfg.cpu_tier.enabled) and r.info is not None:
+                others = [p.info for p in self.replicas.values() if p is not r and p.info is not None]
+                if (mismatch := dtype_mismatch(r.info, others)) is not None:
+                    return mismatch
             try:
                 took = await asyncio.wait_for(r.handle.warm_up.remote(), WARM_UP_TIMEOUT_S)
             except asyncio.TimeoutError:

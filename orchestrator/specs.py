@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from actors import affinity
 from actors.engine import EngineSpec
 from actors.nixl_agent import GPU_UCX_ENV
 from actors.kv_store import TierSettings
@@ -113,10 +114,48 @@ def dtype_warning(infos: Sequence[EngineInfo]) -> str | None:
     )
 
 
-def engine_spec(cfg: TandemConfig, role: Role, engine_id: str, slot: EngineSlot, tier: TierSettings | None) -> EngineSpec:
-    """Everything engine `engine_id` of pool `role` needs to start in `slot`."""
+def native_engine_args(engine_args: dict[str, Any], lacks_half_precision: bool) -> dict[str, Any]:
+    """`engine_args` with `dtype: float32` where they name no dtype ("auto" included) and the
+    deployment's CPU engines run where some node lacks native half precision
+    (actors.affinity.lacks_half_precision), since a model's own dtype is most often a half
+    one; as they are otherwise. The float32 goes to every engine of the deployment, so that
+    their KV bytes match (NIXL, the CPU tier); a dtype the config names is served as named,
+    with dtype_warning where its hosts emulate it."""
+    if not lacks_half_precision or engine_args.get("dtype", "auto") != "auto":
+        return engine_args
+    return {**engine_args, "dtype": "float32"}
+
+
+def local_engine_args(cfg: TandemConfig, role: Role) -> dict[str, Any]:
+    """Pool `role`'s engine args for an engine started on this host outside a deployment (the
+    benchmark's plain vLLM server and Ray Serve LLM), with the dtype a deployment here gives."""
+    return native_engine_args(cfg.engine_args_for(role), cfg.device == "cpu" and affinity.lacks_half_precision())
+
+
+def float32_notice(nodes: Sequence[str]) -> str:
+    """What to tell the operator when native_engine_args gave the engines float32."""
+    return (f"engines serve float32: the config names no dtype and the CPUs of nodes {list(nodes)} lack AVX-512, "
+            "where half precision runs about 100x slower (every engine gets it, so that KV bytes match between "
+            "them); the KV cache takes twice the bytes a block of bfloat16's. Name `engine_args.dtype` to serve another")
+
+
+def dtype_mismatch(info: EngineInfo, others: Sequence[EngineInfo]) -> str | None:
+    """Why an engine cannot join a deployment whose engines move KV between them (NIXL, the
+    CPU tier): it serves another dtype than one of `others` (pools naming different dtypes);
+    None when it can."""
+    other = next((o for o in others if o.dtype != info.dtype), None)
+    if other is None:
+        return None
+    return (f"it serves {info.dtype} and engine {other.engine_id} serves {other.dtype}, and KV moves between "
+            "engines only in one dtype; name one `engine_args.dtype` for every pool")
+
+
+def engine_spec(cfg: TandemConfig, role: Role, engine_id: str, slot: EngineSlot, tier: TierSettings | None,
+                lacks_half_precision: bool = False) -> EngineSpec:
+    """Everything engine `engine_id` of pool `role` needs to start in `slot`;
+    `lacks_half_precision`: some of the deployment's CPU nodes do (native_engine_args)."""
     pool = cfg.pools[role]
-    engine_args = cfg.engine_args_for(role)
+    engine_args = native_engine_args(cfg.engine_args_for(role), lacks_half_precision)
     if cfg.cpu_tier.enabled:
         # The tier connector handles one KV cache group (no hybrid KV cache manager).
         engine_args = {**engine_args, "disable_hybrid_kv_cache_manager": True}

@@ -163,6 +163,24 @@ def test_the_vllm_server_command_carries_the_same_engine_args() -> None:
         assert part in joined
 
 
+def test_the_vllm_server_serves_the_dtype_tandems_engines_would_on_this_host(monkeypatch) -> None:
+    """Where the config names no dtype, a CPU without AVX-512 gets float32 on both sides
+    (actors.engine.native_engine_args), so neither is compared computing emulated half precision."""
+    import platform
+
+    import torch
+
+    unnamed = scenario_config(parse_config({"engine_args": {"max_model_len": 512}}), parse_scenario("vllm-server"),
+                              port=9100, side_channel_base_port=7100)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "--dtype float32" in " ".join(vllm_server_command(unnamed, "/models/tiny"))
+    assert "--dtype bfloat16" in " ".join(vllm_server_command(
+        scenario_config(BASE, parse_scenario("vllm-server"), port=9100, side_channel_base_port=7100), "/models/tiny"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert "--dtype" not in " ".join(vllm_server_command(unnamed, "/models/tiny"))
+
+
 def test_an_embedded_ray_offers_the_cpus_of_the_largest_scenario() -> None:
     from benchmarks.scenarios import cpus_needed
 

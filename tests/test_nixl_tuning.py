@@ -40,9 +40,18 @@ from orchestrator.cluster import WORKER_NICENESS
 from connectors.config import GPU_NUM_THREADS, NixlConfig
 from orchestrator.config import ConfigError, parse_config
 from benchmarks.scenarios import vllm_server_env
-from orchestrator.specs import dtype_warning, engine_env, kv_transfer_for, niceness_warning
+from orchestrator.specs import (
+    dtype_mismatch,
+    dtype_warning,
+    engine_env,
+    engine_spec,
+    float32_notice,
+    kv_transfer_for,
+    native_engine_args,
+    niceness_warning,
+)
 from orchestrator.metrics import TandemMetrics
-from actors.affinity import node_cores
+from actors.affinity import lacks_half_precision, node_cores
 from orchestrator.placement import EngineSlot, binding_cores, engine_cores, omp_binding
 
 PD = {"prefill": {}, "decode": {}}
@@ -492,6 +501,36 @@ def test_engines_serving_half_precision_on_cpus_without_avx512_get_a_warning_wit
     assert not emulates_half_precision(torch.bfloat16)  # only x86 is judged
 
 
+def test_cpu_engines_without_avx512_serve_float32_unless_the_config_names_a_dtype(monkeypatch) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert lacks_half_precision()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not lacks_half_precision()
+    assert native_engine_args({"max_model_len": 512}, True) == {"max_model_len": 512, "dtype": "float32"}
+    assert native_engine_args({"dtype": "auto"}, True) == {"dtype": "float32"}
+    named = {"dtype": "bfloat16"}
+    assert native_engine_args(named, True) is named  # served as named (dtype_warning says what it costs)
+    unnamed: dict[str, Any] = {"max_model_len": 512}
+    assert native_engine_args(unnamed, False) is unnamed
+    # Every pool's engines get it, so their KV bytes match.
+    cfg = parse_config({**PD, "engine_args": {"max_model_len": 512}, "decode": {"engine_args": {"max_num_seqs": 8}}})
+    slot = EngineSlot("n", "10.0.0.1", "/m", 5600, None)
+    for role in ("prefill", "decode"):
+        assert engine_spec(cfg, role, f"{role}-0", slot, None, lacks_half_precision=True).engine_args["dtype"] == "float32"
+        assert "dtype" not in engine_spec(cfg, role, f"{role}-0", slot, None).engine_args
+    notice = float32_notice(["node-b"])
+    assert "['node-b']" in notice and "engine_args.dtype" in notice
+
+
+def test_an_engine_serving_another_dtype_than_its_kv_peers_cannot_join() -> None:
+    ours = [msgspec.structs.replace(_info(e, 0), dtype="bfloat16") for e in ("prefill-0", "decode-0")]
+    assert dtype_mismatch(ours[0], ours[1:]) is None
+    odd = msgspec.structs.replace(_info("prefill-1", 0), dtype="float32")
+    why = dtype_mismatch(odd, ours)
+    assert why is not None and "float32" in why and "prefill-0 serves bfloat16" in why and "engine_args.dtype" in why
+
+
 def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:
     assert niceness_warning([_info("prefill-0", 0), _info("decode-0", 0)]) is None
     warning = niceness_warning([_info("prefill-0", 15), _info("decode-0", 0)])
@@ -538,8 +577,10 @@ def test_a_1p1d_deployment_is_prewarmed_and_placed_and_keeps_rays_processes_off_
         decode = next(e for e in up.deployment.engines if e.role == "decode")
         moved = ray.get(decode.handle.get_stats.remote()).transfers  # before any request
         infos = {e.engine_id: ray.get(e.handle.info.remote()) for e in up.deployment.engines}
-        # The tiny model is served in float16; whether this host computes it natively is its CPU's to say.
-        assert {(i.dtype, i.emulated_dtype) for i in infos.values()} == {("float16", emulates_half_precision(torch.float16))}
+        # The tiny model is float16, served so where this host's CPU computes it natively, else
+        # in float32 (the config names no dtype).
+        assert {(i.dtype, i.emulated_dtype) for i in infos.values()} == {
+            ("float32", False) if lacks_half_precision() else ("float16", False)}
         omp = {eid: binding_cores(info.cpu_binding or "") for eid, info in infos.items()}
         refs = {e.engine_id: e for e in up.deployment.engines}  # what the routers are given
         confined = ray_threads()
