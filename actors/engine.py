@@ -36,7 +36,7 @@ from actors.affinity import lacks_half_precision, node_cores, pin_process
 from actors.kv_events import KVEventFollower, hash_settings
 from actors.kv_index import TIER_SKIP
 from actors.load import LoadMeter
-from actors.logs import setup_logging
+from actors.logs import last_error, setup_logging, stderr_size
 from actors.resume import ResumedText
 from actors.run_dir import make_run_dir, record_shared_memory, recording_shared_memory, remove
 from actors.stream import Emit, StreamServer
@@ -330,10 +330,18 @@ class EngineActor:
         observe = partial(_observe_connector_stats, slow_s=spec.slow_transfer_s)
         factory = partial(TandemStatLogger, sink=self.stats, observe_connector=observe)
         vcfg = one_process_engine_config(args)
-        with omp_environment(vcfg), recording_shared_memory(self.run_dir):
-            self.llm: Any = AsyncLLM.from_vllm_config(
-                vcfg, stat_loggers=[factory], enable_log_requests=args.enable_log_requests,
-                disable_log_stats=args.disable_log_stats)
+        logged = stderr_size()
+        try:
+            with omp_environment(vcfg), recording_shared_memory(self.run_dir):
+                self.llm: Any = AsyncLLM.from_vllm_config(
+                    vcfg, stat_loggers=[factory], enable_log_requests=args.enable_log_requests,
+                    disable_log_stats=args.disable_log_stats)
+        except Exception as err:
+            # vLLM tells this process only that its engine core failed ("See root cause
+            # above"); the cause is in the log the core shares with it.
+            if (cause := last_error(logged)) is None:
+                raise
+            raise RuntimeError(f"vLLM's engine core did not start: {cause}") from err
         vcfg = self.llm.vllm_config
         children = [p.pid for p in psutil.Process().children(recursive=True)]
         # What vLLM leaves in /dev/shm when its processes are killed goes with the run dir.

@@ -542,21 +542,29 @@ def test_engines_below_tandems_priority_get_a_warning_with_the_fix() -> None:
 
 
 @pytest.mark.engines
-def test_pools_naming_two_dtypes_do_not_deploy_and_leave_no_engine_behind(ray_local: None, tiny_model: Any) -> None:
+@pytest.mark.parametrize("tier, why", [
+    (False, r"engine (prefill|decode)-0 did not start: it serves float(16|32) and engine (decode|prefill)-0 serves "
+            r"float(32|16).*name one `engine_args.dtype`"),
+    # The tier's index refuses the second engine's blocks inside vLLM's engine core, whose
+    # cause the engine actor reads from the log it shares with the core (actors.logs).
+    (True, r"engine (prefill|decode)-0 did not start: its engine failed to start: RuntimeError: vLLM's engine core did "
+           r"not start: connectors.index_client.IndexRefused: an engine's KV block is \d+ bytes but the tier holds "
+           r"\d+-byte blocks"),
+])
+def test_pools_naming_two_dtypes_do_not_deploy_and_leave_no_engine_behind(
+        ray_local: None, tiny_model: Any, tier: bool, why: str) -> None:
     """KV moves between a prefill and a decode engine only in one dtype: the second engine up
-    does not join, and the deployment fails naming both dtypes and the fix. (With the CPU tier
-    on, the tier's index refuses the second engine's block size first.)"""
+    does not join, and the deployment fails naming the cause and the fix."""
     import ray
 
     from orchestrator.deploy import DeployError, Deployment
     from tests.conftest import free_port
 
     cfg = parse_config({"prefill": {"engine_args": {"dtype": "float32"}}, "decode": {"engine_args": {"dtype": "float16"}},
-                        "model": {"source": str(tiny_model)}, "cpu_tier": {"enabled": False},
+                        "model": {"source": str(tiny_model)}, "cpu_tier": {"enabled": tier},
                         "serve": {"app_name": "dtypes", "port": free_port(), "token_path_base_port": free_port(8)},
                         "kv_transfer": {"side_channel_base_port": free_port(8)}})
-    with pytest.raises(DeployError, match=r"engine (prefill|decode)-0 did not start: it serves float(16|32) and engine "
-                                          r"(decode|prefill)-0 serves float(32|16).*name one `engine_args.dtype`"):
+    with pytest.raises(DeployError, match=why):
         Deployment(cfg).start(timeout_s=300)
     assert [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("dtypes:")] == []
 
