@@ -51,16 +51,27 @@ def pin_process(pid: int, cores: list[int]) -> bool:
     return True
 
 
+# The CPU flags torch's AVX512 kernels (its "AVX512" capability) ask for.
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+def cpu_flags() -> set[str]:
+    """This host's CPU flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def lacks_half_precision() -> bool:
     """Whether this host's CPU computes bfloat16 and float16 matmuls without native
-    instructions: an x86 CPU without AVX-512, as torch sees it. vLLM's CPU build serves half
+    instructions: an x86 CPU without AVX-512 (AVX512_FLAGS). vLLM's CPU build serves half
     precision on every x86 host, but on an AMD EPYC with AVX2 only (2026-12-02) torch's
     128x512x2048 matmul ran at 0.5 GFLOP/s in bfloat16 and 0.4 in float16 against 67 in
-    float32, and builtin:medium's prefill took 80x what it took on an AVX-512 host."""
+    float32, and builtin:medium's prefill took 80x what it took on an AVX-512 host. Read from
+    /proc/cpuinfo, not torch: the placement probe asks it of every node at start-up, where
+    importing torch took about 2 s of a core."""
     import platform
 
-    import torch
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return platform.machine().lower() in ("x86_64", "amd64") and not AVX512_FLAGS <= cpu_flags()

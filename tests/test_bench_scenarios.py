@@ -165,19 +165,19 @@ def test_the_vllm_server_command_carries_the_same_engine_args() -> None:
 
 def test_the_vllm_server_serves_the_dtype_tandems_engines_would_on_this_host(monkeypatch) -> None:
     """Where the config names no dtype, a CPU without AVX-512 gets float32 on both sides
-    (actors.engine.native_engine_args), so neither is compared computing emulated half precision."""
+    (orchestrator.specs.local_engine_args), so neither is compared computing emulated half precision."""
     import platform
 
-    import torch
+    from actors import affinity
 
     unnamed = scenario_config(parse_config({"engine_args": {"max_model_len": 512}}), parse_scenario("vllm-server"),
                               port=9100, side_channel_base_port=7100)
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", "fma"})
     assert "--dtype float32" in " ".join(vllm_server_command(unnamed, "/models/tiny"))
     assert "--dtype bfloat16" in " ".join(vllm_server_command(
         scenario_config(BASE, parse_scenario("vllm-server"), port=9100, side_channel_base_port=7100), "/models/tiny"))
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", *affinity.AVX512_FLAGS})
     assert "--dtype" not in " ".join(vllm_server_command(unnamed, "/models/tiny"))
 
 

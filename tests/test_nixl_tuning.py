@@ -51,6 +51,7 @@ from orchestrator.specs import (
     niceness_warning,
 )
 from orchestrator.metrics import TandemMetrics
+from actors import affinity
 from actors.affinity import lacks_half_precision, node_cores
 from orchestrator.placement import EngineSlot, binding_cores, engine_cores, omp_binding
 
@@ -489,23 +490,25 @@ def test_engines_serving_half_precision_on_cpus_without_avx512_get_a_warning_wit
     assert dtype_warning([fast]) is None
     warning = dtype_warning([fast, slow])
     assert warning is not None and "['decode-0'] serve bfloat16" in warning and "engine_args: {dtype: float32}" in warning
-    # What decides it: torch's view of the x86 CPU (as torch.backends.cpu reports it).
+    # What decides it: the x86 CPU's AVX-512 flags, which this host's torch reads alike.
+    if platform.machine() == "x86_64" and "ATEN_CPU_CAPABILITY" not in os.environ:
+        assert lacks_half_precision() == (not torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", "fma"})
     assert emulates_half_precision(torch.bfloat16) and emulates_half_precision(torch.float16)
     assert not emulates_half_precision(torch.float32)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512_BF16")
+    monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", "avx512_bf16", *affinity.AVX512_FLAGS})
     assert not emulates_half_precision(torch.bfloat16)
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(affinity, "cpu_flags", set)
     assert not emulates_half_precision(torch.bfloat16)  # only x86 is judged
 
 
 def test_cpu_engines_without_avx512_serve_float32_unless_the_config_names_a_dtype(monkeypatch) -> None:
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", "fma"})
     assert lacks_half_precision()
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", *affinity.AVX512_FLAGS})
     assert not lacks_half_precision()
     assert native_engine_args({"max_model_len": 512}, True) == {"max_model_len": 512, "dtype": "float32"}
     assert native_engine_args({"dtype": "auto"}, True) == {"dtype": "float32"}
