@@ -27,6 +27,7 @@ import asyncio
 import importlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,15 @@ class DeployError(RuntimeError):
 def manager_name(app: str) -> str:
     """The named actor of a deployment's pool manager (how ingresses and `tandem status` find it)."""
     return f"{app}:pools"
+
+
+def _warn_of_hosts(infos: Sequence[EngineInfo]) -> None:
+    """Tell the operator what on these engines' hosts slows them (a lowered niceness, a half
+    dtype computed without native instructions): at start for the first replicas, and for
+    each replica that joins later, which a scale-up may place on another kind of node."""
+    for warning in (niceness_warning(infos), dtype_warning(infos)):
+        if warning:
+            logger.warning(warning)
 
 
 def _first_line(err: BaseException) -> str:
@@ -252,9 +262,7 @@ class PoolManager:
         self._starting = False
         infos = [r.info for r in self.replicas.values() if r.info is not None]
         logger.info("%d engines up in %.1f s", len(infos), time.perf_counter() - t0)
-        for warning in (niceness_warning(infos), dtype_warning(infos)):
-            if warning:
-                logger.warning(warning)
+        _warn_of_hosts(infos)
         if self._deciders:
             self._loops.append(asyncio.ensure_future(self._autoscale()))
         if self.tier is not None:
@@ -443,6 +451,8 @@ class PoolManager:
                 return f"its health check after start failed: {_first_line(err)}"
             logger.info("engine %s (%s) serving: pid %d on %s, incarnation %s",
                         r.engine_id, r.role, r.info.pid, r.info.node_ip, r.info.incarnation)  # type: ignore[union-attr]
+            if not self._starting:  # the first replicas' are told together, once all serve
+                _warn_of_hosts([r.info])  # type: ignore[list-item]
             self._set_state(r, "healthy")
             return None
 

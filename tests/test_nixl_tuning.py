@@ -504,6 +504,20 @@ def test_engines_serving_half_precision_on_cpus_without_avx512_get_a_warning_wit
     assert not emulates_half_precision(torch.bfloat16)  # only x86 is judged
 
 
+def test_a_replica_joining_on_a_host_that_emulates_its_dtype_is_warned_of(caplog) -> None:
+    """A scale-up may place a replica on a node of another kind than the first replicas'
+    (which chose the deployment's dtype): the pool manager warns of that replica when it joins."""
+    from orchestrator.pools import _warn_of_hosts
+
+    native = msgspec.structs.replace(_info("decode-1", 0), dtype="bfloat16")
+    emulated = msgspec.structs.replace(_info("decode-2", 0), dtype="bfloat16", emulated_dtype=True)
+    with caplog.at_level(logging.WARNING, logger="tandem.pools"):
+        _warn_of_hosts([native])
+        assert not caplog.records
+        _warn_of_hosts([emulated])
+    assert [r.getMessage() for r in caplog.records] == [dtype_warning([emulated])]
+
+
 def test_cpu_engines_without_avx512_serve_float32_unless_the_config_names_a_dtype(monkeypatch) -> None:
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(affinity, "cpu_flags", lambda: {"avx2", "fma"})
