@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replies", choices=["synthetic", "server"], default=d.replies,
                    help="conversation: the history's answers are synthetic text, or the server's own, resent as the "
                         "token ids it streamed, each turn sent once the one before has ended (default %(default)s)")
+    p.add_argument("--chat-order", choices=["turns", "staggered"], default=d.chat_order,
+                   help="conversation: every chat's first turn, then every second turn, ... (turns), or chats opening one "
+                        "after another, a new one each two turns of the earlier ones (staggered; default %(default)s)")
     p.add_argument("--duration", type=float, default=d.duration_s, dest="duration_s", help="stop sending this many seconds into a run (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, dest="request_timeout_s", help="seconds (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -130,6 +133,8 @@ def checked_scenarios(opts: BenchOptions) -> list[Scenario]:
         raise ValueError(f"{', '.join(faulty)}: fault scenarios run once; leave them out of a bench with --rounds")
     if any(s.kind == "ray-serve-llm" for s in scenarios) and (why := ray_serve_llm.missing()):
         raise ValueError(why)
+    if opts.chat_order != "turns" and opts.workload != "conversation":
+        raise ValueError("--chat-order orders the turns of chats: it applies to --workload conversation")
     if opts.replies == "server" and (opts.workload != "conversation" or opts.client != "tandem" or opts.overhead
                                      or any(s.fault for s in scenarios)):
         raise ValueError("--replies server applies to --workload conversation with Tandem's own load generator over "
@@ -271,7 +276,8 @@ def run_fault_scenario(setup: _Setup, scenario: Scenario, log_dir: Path) -> Faul
 def workload_of(opts: BenchOptions) -> RandomWorkload | ConversationWorkload:
     if opts.workload == "conversation":
         # Each turn adds a user message of 32-96 tokens and a reply of --output-len.
-        return ConversationWorkload(opts.turns, opts.input_len, Uniform(32, 96), Fixed(opts.output_len), opts.replies)
+        return ConversationWorkload(opts.turns, opts.input_len, Uniform(32, 96), Fixed(opts.output_len), opts.replies,
+                                    opts.chat_order)
     return RandomWorkload(Fixed(opts.input_len), Fixed(opts.output_len))
 
 

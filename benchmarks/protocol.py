@@ -42,6 +42,9 @@ class BenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     # conversation: the history's assistant turns are synthetic text, or the server's own
     # answers, resent as the token ids it streamed (each turn then waits for the one before).
     replies: Literal["synthetic", "server"] = "synthetic"
+    # conversation: every chat's first turn, then every second turn, ... ("turns"), or chats
+    # opening one after another while earlier ones go on ("staggered").
+    chat_order: Literal["turns", "staggered"] = "turns"
     duration_s: float = 60.0  # no measured request is sent later than this into a run
     request_timeout_s: float = 120.0
     seed: int = 0

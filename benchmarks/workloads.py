@@ -195,7 +195,10 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
     ordered turn by turn (every conversation's first turn, then every second turn, ...), so a
     turn's prefix has been computed by the time it is sent; within a turn the conversations
     come in a new random order each time, as chats do not move in lockstep (in a fixed order,
-    round robin over an even number of replicas would send each chat to the same one).
+    round robin over an even number of replicas would send each chat to the same one). With
+    `order="staggered"` chat c's turn t comes at step 2t + c instead (ties in a random
+    order): chats open one after another while the earlier ones go on, as on a service,
+    where a router sees first turns among later ones, not all of them before any second.
     """
 
     turns: int
@@ -203,6 +206,7 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
     user_len: LengthDist
     reply_len: LengthDist  # max_tokens of each turn, and the length of its synthetic reply
     replies: Literal["synthetic", "server"] = "synthetic"
+    order: Literal["turns", "staggered"] = "turns"
 
     def sample(
         self, num_requests: int, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
@@ -226,6 +230,10 @@ class ConversationWorkload(msgspec.Struct, frozen=True, tag="conversation"):
                 turn.append(BenchRequest(prompt, n_reply, maker.count(prompt)))
                 histories[c] = f"{prompt} {maker.text(n_reply)}\n"
             by_turn.append(turn)
+        if self.order == "staggered":
+            steps = [(2 * t + c, tie, r) for t, turn in enumerate(by_turn)
+                     for c, (r, tie) in enumerate(zip(turn, rng.random(len(turn))))]
+            return [r for *_, r in sorted(steps, key=lambda s: s[:2])][:num_requests]
         return [turn[i] for turn in by_turn for i in rng.permutation(len(turn))][:num_requests]
 
 

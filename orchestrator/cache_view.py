@@ -255,6 +255,11 @@ class CacheView:
         # The last full block of each prompt those requests sent, the least recent first: a
         # prompt holding one extends an earlier request's (`continues`).
         self._tails: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # The last full block of each of those prompts that extended none (a chat's first turn
+        # or a one-off prompt), the least recent first, and those a later prompt extended:
+        # how often such a prompt was continued lately (`continuation_rate`).
+        self._openers: collections.OrderedDict[int, float] = collections.OrderedDict()
+        self._continued: set[int] = set()
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
         """Follow these engines (from the next `sync` on the event loop); forget the rest.
@@ -392,6 +397,15 @@ class CacheView:
         tails = self._tails
         return any(k in tails for k in prompt.for_engine(ref)[1][:-1])
 
+    def continuation_rate(self) -> float:
+        """How likely a prompt that `continues` nothing is to be continued: of the prompts
+        sent lately (WORKING_SET_S) that extended none, the share a later prompt extended, one
+        more counted as not (none seen: 0). A chat's first turn looks like a one-off prompt
+        after a shared prefix; only the traffic that follows tells them apart. Turns not yet
+        followed by their next count as not continued, so the rate errs low, towards the
+        one-off prompt, by the pause between turns over WORKING_SET_S."""
+        return len(self._continued) / (len(self._openers) + 1)
+
     def spare_tokens(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
         """Tokens of engine `ref`'s prefix cache left over by what traffic sent there reuses,
         other than this prompt's own blocks (EngineCache.demand): how long a new prefix would
@@ -459,15 +473,22 @@ class CacheView:
     def _note(self, use: BlockUse, t: float) -> None:
         """A request used these blocks at `t`: later ones using them reuse them, and a prompt
         that holds its last block continues it. Its first blocks are the latest used, so that
-        `SEEN_MAX` forgets a prompt's last blocks first and a reused run stays a run."""
+        `SEEN_MAX` forgets a prompt's last blocks first and a reused run stays a run. A prompt
+        that extends none is an opener, continued once a later one holds its last block."""
+        extended = [k for k in use.keys[:-1] if k in self._tails]
+        self._continued.update(k for k in extended if k in self._openers)
+        if use.keys and not extended and use.keys[-1] not in self._openers:
+            self._openers[use.keys[-1]] = t
         _touch(self._seen, use.keys[::-1], t)
         _touch(self._tails, use.keys[-1:], t)
 
     def _forget(self, now: float) -> None:
         """Drop the uses older than WORKING_SET_S, and the least recent past SEEN_MAX."""
-        for lately in (self._seen, self._tails):
+        for lately in (self._seen, self._tails, self._openers):
             while lately and (len(lately) > SEEN_MAX or next(iter(lately.values())) < now - WORKING_SET_S):
-                lately.popitem(last=False)
+                k, _ = lately.popitem(last=False)
+                if lately is self._openers:
+                    self._continued.discard(k)
 
     def seen(self, engine_id: str) -> EngineCache | None:
         """What the router last heard from the engine (its load included), if anything."""

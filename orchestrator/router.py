@@ -644,21 +644,25 @@ class Router:
                          facts: Sequence[EngineFacts]) -> float:
         """What a local prefill on `decode` is expected to cost later (disaggregation.decide's
         `at_risk_tokens`): the prompt tokens it would leave there alone (no prefill replica
-        holds them, nor loads them from the tier), at `evict_cost`, when the prompt is a
-        conversation's turn (CacheView.continues: the next turn reuses them), `decode` keeps
-        no copy in the CPU tier, and its cache has less to spare beyond what traffic reuses
-        there than the roomiest prefill replica's (CacheView.spare_tokens): the cache all
-        traffic passes through evicts such a history first. 0 otherwise, or when a capacity is
-        unknown."""
+        holds them, nor loads them from the tier), at `evict_cost`, times the odds that a next
+        turn reuses them: 1 for a conversation's turn (CacheView.continues), and for a prompt
+        that extends none (a first turn, or a one-off prompt) how often such prompts were
+        continued lately (CacheView.continuation_rate); when `decode` keeps no copy in the CPU
+        tier and its cache has less to spare beyond what traffic reuses there than the
+        roomiest prefill replica's (CacheView.spare_tokens): the cache all traffic passes
+        through evicts such a history first. 0 otherwise, or when a capacity is unknown."""
         assert self.cache is not None
-        if (decode.saves_tier and decode.loads_tier) or not facts or not self.cache.continues(decode, prompt):
+        if (decode.saves_tier and decode.loads_tier) or not facts:
+            return 0.0
+        odds = 1.0 if self.cache.continues(decode, prompt) else self.cache.continuation_rate()
+        if not odds:
             return 0.0
         held = max(f.cached_tokens + f.loaded_tokens for f in facts)
         spare = self.cache.spare_tokens(decode, prompt)
         others = [self.cache.spare_tokens(e, prompt) for e in candidates]
         if spare is None or None in others or spare >= max(t for t in others if t is not None):
             return 0.0
-        return self.routing.evict_cost * (len(prompt.token_ids) - held)
+        return odds * self.routing.evict_cost * (len(prompt.token_ids) - held)
 
     def _queue_local(self, engine_id: str, tokens: float) -> None:
         """Count (tokens > 0) or uncount (< 0) a local prefill's tokens on a decode engine."""

@@ -277,6 +277,10 @@ def test_server_replies_are_for_conversations_over_http_without_fault_scenarios(
     for bad in ({"overhead": True}, {"workload": "random"}, {"client": "vllm"}, {"scenarios": "1p1d,fault:decode"}):
         with pytest.raises(ValueError, match="--replies server applies to --workload conversation"):
             checked_scenarios(msgspec.structs.replace(opts, **bad))
+    staggered = options_from_args(parser.parse_args(["--workload", "conversation", "--chat-order", "staggered"]))
+    assert workload_of(staggered).order == "staggered"
+    with pytest.raises(ValueError, match="--chat-order orders the turns of chats"):
+        checked_scenarios(msgspec.structs.replace(staggered, workload="random"))
 
 
 def test_the_default_scenarios_add_a_plain_vllm_server_and_ray_serve_llm_on_one_machine_only() -> None:

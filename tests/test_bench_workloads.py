@@ -135,6 +135,23 @@ def test_a_conversation_of_server_replies_holds_only_each_turns_new_text() -> No
     assert all(len(r.prompt.split()) == 4 for r in later)  # "User:", the two words, "Assistant:"
 
 
+
+def test_staggered_chats_open_among_the_turns_of_earlier_ones() -> None:
+    """The same turns as in turn order, each chat's in its own order, first turns spread
+    among later ones (chat c's turn t at step 2t + c), as on a service."""
+    by_turns = ConversationWorkload(turns=4, system_len=3, user_len=Fixed(2), reply_len=Fixed(2), replies="server")
+    staggered = msgspec.structs.replace(by_turns, order="staggered")
+    ordered, spread = by_turns.sample(32, seed=3), staggered.sample(32, seed=3)
+    assert sorted(r.prompt for r in spread) == sorted(r.prompt for r in ordered)
+    # Steps 0, 1 and 2: chat 0's first turn, chat 1's, then chat 0's second and chat 2's first.
+    assert [r.chat for r in spread[:2]] == [0, 1] and sorted(r.chat for r in spread[2:4]) == [0, 2]
+    turns = [sum(q.chat == r.chat for q in spread[:i]) for i, r in enumerate(spread)]
+    firsts = [i for i, t in enumerate(turns) if t == 0]
+    assert len(firsts) == 8 and firsts[-1] > 8 + 8  # not all before the second turns
+    for chat in range(8):  # each chat's turns in its own order: the opener first, as sampled
+        assert [r.prompt for r in spread if r.chat == chat] == [r.prompt for r in ordered if r.chat == chat]
+    assert staggered.sample(32, seed=3) == spread  # the seed decides the ties
+
 def test_conversations_stop_at_the_requested_count() -> None:
     workload = ConversationWorkload(turns=4, system_len=3, user_len=Fixed(2), reply_len=Fixed(2))
     assert len(workload.sample(7, seed=0)) == 7

@@ -10,7 +10,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1148,8 +1148,9 @@ class PdLruEngine(LruEngine):
 
 def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
                 retokenized: bool = False, routers: int = 1, joining: int = 0,
-                echo_history: bool = True, seed: int = 0) -> tuple[list[int], int]:
-    """Chats after one system prompt, turn by turn in a new order each turn, one request at a
+                echo_history: bool = True, seed: int = 0, staggered: bool = False) -> tuple[list[int], int]:
+    """Chats after one system prompt, turn by turn in a new order each turn (`staggered`: a
+    chat opening every other request while earlier ones go on, a turn every fourth), one request at a
     time, through kv_aware on 2 prefill engines of 390 blocks and a decode engine of
     `decode_blocks` (a turn: 2-6 blocks from the user, a 2-block reply; 16 chats' histories
     reach about 580 blocks). `retokenized`: the next turn carries the reply as other tokens
@@ -1175,25 +1176,33 @@ def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
         ingress = [router() for _ in range(1 if joining else routers)]
         histories = [list(range(1000, 1000 + 8 * BLOCK)) for _ in range(chats)]
         computed, local = [], 0
-        for turn in range(turns):
+
+        def order() -> Iterator[tuple[int, int]]:
+            if staggered:
+                yield from sorted(((t, c) for c in range(chats) for t in range(turns)), key=lambda tc: 4 * tc[0] + 2 * tc[1])
+                return
+            for turn in range(turns):
+                for c in rng.sample(range(chats), chats):
+                    yield turn, c
+
+        for turn, c in order():
             if turn == joining and len(ingress) < routers:
                 ingress += [router() for _ in range(routers - 1)]
                 for r in ingress[1:]:
                     r.cache.sync()  # type: ignore[union-attr]
                 await asyncio.sleep(0.05)  # their first answers: the engines' state, and what was used lately
-            for c in rng.sample(range(chats), chats):
-                histories[c] += [rng.randrange(2000, 30000) for _ in range(rng.randint(2 * BLOCK, 6 * BLOCK))]
-                reply = [7] + [rng.randrange(2000, 30000) for _ in range(2 * BLOCK - 1)]
-                PdLruEngine.history = histories[c] + ([7] + [5] * (len(reply) - 1) if retokenized else reply)
-                before = sum(e.computed for e in engines)
-                trace = RequestTrace()
-                request = EngineRequest(f"c{c}-{turn}", list(histories[c]), SamplingParams(max_tokens=2))
-                async for _ in ingress[(c + turn) % len(ingress)].generate(request, trace):
-                    pass
-                await asyncio.sleep(0.005)  # the engines' events reach the view
-                histories[c] += reply
-                computed.append(sum(e.computed for e in engines) - before)
-                local += trace.disaggregation == "local"
+            histories[c] += [rng.randrange(2000, 30000) for _ in range(rng.randint(2 * BLOCK, 6 * BLOCK))]
+            reply = [7] + [rng.randrange(2000, 30000) for _ in range(2 * BLOCK - 1)]
+            PdLruEngine.history = histories[c] + ([7] + [5] * (len(reply) - 1) if retokenized else reply)
+            before = sum(e.computed for e in engines)
+            trace = RequestTrace()
+            request = EngineRequest(f"c{c}-{turn}", list(histories[c]), SamplingParams(max_tokens=2))
+            async for _ in ingress[(c + turn) % len(ingress)].generate(request, trace):
+                pass
+            await asyncio.sleep(0.005)  # the engines' events reach the view
+            histories[c] += reply
+            computed.append(sum(e.computed for e in engines) - before)
+            local += trace.disaggregation == "local"
         for router in ingress:
             await router.close()
         return computed, local
@@ -1231,6 +1240,55 @@ def test_conditional_homes_conversations_where_their_histories_are_kept() -> Non
     _, local = replay_2p1d("conditional", 48, 1, 390)
     assert local == 48
 
+
+
+def test_conditional_learns_that_first_turns_open_chats() -> None:
+    """A chat's first turn looks like a one-off prompt after the shared system prompt (it
+    continues nothing), and a local prefill leaves it on the decode engine alone, so the
+    second turn computes the first message again on a prefill replica. With chats opening
+    while others go on (as a service's chats do, not all at once as in the replay above), the
+    router sees how often such prompts were continued lately and prices a first turn's
+    stranding at those odds: after the first few chats every first turn goes remote as later
+    turns do (4 local prefills in all against 17 when its odds were taken as 0, 0.99-1.03x
+    always's tokens against 1.05-1.10x), while one-off questions, never continued, keep
+    their local path (the replay above)."""
+    for seed in (0, 1, 2):
+        always, _ = replay_2p1d("always", 16, 6, 390, seed=seed, staggered=True)
+        homed, local = replay_2p1d("conditional", 16, 6, 390, seed=seed, staggered=True)
+        assert local <= 6 and sum(homed) <= 1.05 * sum(always), (seed, local, sum(homed), sum(always))
+
+
+def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of the prompts sent lately that extended none, the share a later prompt extended (one
+    more counted as not): a repeat or a sibling after the same prefix is no continuation, a
+    later turn's own continuation not a first turn's, and what is older than WORKING_SET_S is
+    forgotten."""
+    from orchestrator import cache_view
+    from orchestrator.cache_view import CacheView
+
+    view = CacheView()
+    a = EngineRef("a", "prefill", None, "i0", BLOCK, "sha256", SEED, num_blocks=100)
+    view.set_engines([a])
+    shared = list(range(1000, 1000 + 4 * BLOCK))
+
+    def send(tokens: list[int]) -> None:
+        view.expect(a, view.prompt(tokens))
+
+    assert view.continuation_rate() == 0.0
+    first, other = shared + [1] * BLOCK, shared + [2] * BLOCK
+    send(first)
+    send(other)  # a sibling: extends the shared prefix, no earlier prompt's last block
+    send(first)  # a repeat
+    assert view.continuation_rate() == 0.0
+    second = first + [3] * BLOCK
+    send(second)
+    assert view.continuation_rate() == pytest.approx(1 / 3)
+    send(second + [4] * BLOCK)  # a third turn continues the second, not an opener
+    assert view.continuation_rate() == pytest.approx(1 / 3)
+    later = time.monotonic() + cache_view.WORKING_SET_S + 1
+    monkeypatch.setattr(cache_view.time, "monotonic", lambda: later)
+    send(shared + [5] * BLOCK)
+    assert view.continuation_rate() == 0.0  # the earlier openers forgotten: one new, not continued
 
 def test_ingress_replicas_hear_of_each_others_requests_from_the_engines() -> None:
     """The replay above with two ingress replicas, each chat's turns sent by each in turn:
