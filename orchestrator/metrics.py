@@ -101,6 +101,14 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     )
     for key, n in stats.decisions.items():
         decisions.add_metric([app, *key.split(":")], n)
+    continuation = GaugeMetricFamily(
+        "tandem_continuation_rate",
+        "Of the prompts seen lately that extended no earlier one (a chat's first turn, a one-off question), the share a "
+        "later prompt extended: the odds conditional disaggregation prices a first turn's stranded history at",
+        labels=["app"],
+    )
+    if stats.continuation_rate is not None:
+        continuation.add_metric([app], stats.continuation_rate)
     return [
         _by_label("tandem_prefill_retries", "Prefill attempts retried on another prefill replica, by why the attempt ended", app, "reason", stats.retries),
         _by_label("tandem_fallbacks", "Requests that left the disaggregated path, by reason", app, "reason", stats.fallbacks),
@@ -109,6 +117,7 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
         _by_label("tandem_requests_aborted", "Requests whose client left, by the phase they were in (aborted on every engine involved)", app, "phase", stats.aborts),
         in_flight,
         decisions,
+        continuation,
         _by_label("tandem_prefill_seconds_per_token",
                   "A prefill replica's time per prompt token, as this ingress replica's kv_aware router learned it from the prefills it timed there",
                   app, "engine", stats.prefill_seconds_per_token, GaugeMetricFamily),

@@ -352,6 +352,9 @@ class RouterStats(msgspec.Struct):
     # learned them (orchestrator.speed), once it answered routing.prefill_speed_samples prefills.
     prefill_seconds_per_token: dict[str, float] = {}
     prefill_fixed_seconds: dict[str, float] = {}
+    # Under conditional disaggregation, the odds it last priced a first turn's stranded history
+    # at (CacheView.continuation_rate); None until it decided a request with a cache view.
+    continuation_rate: float | None = None
 
 
 class CoreNeighbours:
@@ -628,6 +631,7 @@ class Router:
             ahead = min((remote_ahead_tokens(f, n, self.routing) for f in facts), default=None)
             queued += beside
             at_risk = self._stranded_tokens(decode, prompt, candidates, facts)
+            self.stats.continuation_rate = self.cache.continuation_rate()
         held_up = self._outstanding(decode, self._output_pool())
         decision, reason = decide(self.routing, n, cached, held_up,
                                   decode_loaded_tokens=loaded,

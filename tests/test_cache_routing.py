@@ -301,6 +301,8 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
     cfg = pd.deployment.cfg
     routing = msgspec.structs.replace(cfg.routing, local_prefill_max_tokens=4096)
 
+    rates: list[float | None] = []  # each router's continuation rate after the turns
+
     def turns(seed: int, no_tier: bool) -> tuple[list[str], dict[str, int]]:
         engines = [msgspec.structs.replace(e, saves_tier=False) if e.role == "decode" and no_tier else e
                    for e in pd.deployment.routing_engines()]
@@ -333,10 +335,13 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
             return decisions
 
         decisions = asyncio.run(asyncio.wait_for(go(), timeout=120))
+        rates[:] = [r.stats.continuation_rate for r in routers]
         return decisions, dict(sum((collections.Counter(r.stats.decisions) for r in routers), collections.Counter()))
 
     decisions, counted = turns(600, no_tier=True)
     assert decisions == ["local", "local", "remote", "remote"], (decisions, counted)
+    # The third router, which sent only C's second turn, heard the first turns from the engines.
+    assert rates[2] is not None and rates[2] > 0, rates
     assert counted.get("remote:stranded_history") == 2, counted
     decisions, counted = turns(620, no_tier=False)
     assert decisions == ["local"] * 4, (decisions, counted)

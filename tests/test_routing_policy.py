@@ -29,7 +29,7 @@ from orchestrator.config import ConfigError, RoutingConfig, ScorerWeights, parse
 from orchestrator.disaggregation import decide, remote_ahead_tokens
 from orchestrator.metrics import TandemMetrics
 from orchestrator.protocol import EngineRef
-from orchestrator.router import CoreNeighbours, RequestTrace, Router
+from orchestrator.router import CoreNeighbours, RequestTrace, Router, RouterStats
 from orchestrator.scoring import EngineFacts, ahead_tokens, queue_tokens, rank, score, tier_tokens
 from orchestrator.speed import MAX_SLOWDOWN, PrefillSpeed, Price
 from tests.fake_engine import FakeEngineBase
@@ -1286,6 +1286,8 @@ def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: py
     send(second + [4] * BLOCK)  # a third turn continues the second, not an opener
     assert view.continuation_rate() == pytest.approx(1 / 3)
     later = time.monotonic() + cache_view.WORKING_SET_S + 1
+    page = TandemMetrics("app").render([], {}, router=RouterStats(continuation_rate=view.continuation_rate())).decode()
+    assert f'tandem_continuation_rate{{app="app"}} {1 / 3}' in page
     monkeypatch.setattr(cache_view.time, "monotonic", lambda: later)
     send(shared + [5] * BLOCK)
     assert view.continuation_rate() == 0.0  # the earlier openers forgotten: one new, not continued
@@ -1596,3 +1598,4 @@ def test_kv_aware_learns_which_prefill_replica_is_slower_and_prices_it_so(slow_m
     page = TandemMetrics("app").render([], {}, router=router.stats).decode()
     assert f'tandem_prefill_seconds_per_token{{app="app",engine="slow"}} {rates["slow"]}' in page
     assert f'tandem_prefill_fixed_seconds{{app="app",engine="slow"}} {fixed["slow"]}' in page
+    assert "tandem_continuation_rate{" not in page  # kv_aware without conditional never prices it
