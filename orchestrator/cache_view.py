@@ -188,6 +188,52 @@ class TierView:
         return by_node
 
 
+class Openers:
+    """Prompts that extended no earlier one (a chat's first turn, a one-off question), by
+    their last full block, the least recent first, and which of them a later prompt
+    extended; counted by their first block (a system prompt's, say), so that traffic after
+    one prefix keeps odds of its own."""
+
+    def __init__(self) -> None:
+        self.since: collections.OrderedDict[int, tuple[float, int]] = collections.OrderedDict()  # last -> (t, first)
+        self.extended: set[int] = set()
+        self.opened: collections.Counter[int] = collections.Counter()  # first block -> openers
+        self.continued: collections.Counter[int] = collections.Counter()  # first block -> those extended
+
+    def open(self, last: int, first: int, t: float) -> None:
+        if last not in self.since:
+            self.since[last] = (t, first)
+            self.opened[first] += 1
+
+    def extend(self, last: int) -> None:
+        """A later prompt holds this block: the opener ending in it, if any, was continued."""
+        if last in self.since and last not in self.extended:
+            self.extended.add(last)
+            self.continued[self.since[last][1]] += 1
+
+    def forget(self, before: float, keep: int) -> None:
+        """Drop the openers sent before `before`, and the least recent past `keep`."""
+        since = self.since
+        while since and (len(since) > keep or next(iter(since.values()))[0] < before):
+            last, (_, first) = since.popitem(last=False)
+            _drop(self.opened, first)
+            if last in self.extended:
+                self.extended.discard(last)
+                _drop(self.continued, first)
+
+    def rate(self, first: int | None = None) -> float:
+        """The share extended, one more counted as not: of those after block `first`, or all."""
+        if first is None:
+            return len(self.extended) / (len(self.since) + 1)
+        return self.continued[first] / (self.opened[first] + 1)
+
+
+def _drop(counts: collections.Counter[int], key: int) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
+
+
 def _touch(lately: collections.OrderedDict[int, float], keys: Sequence[int], t: float) -> None:
     """Stamp `keys` used at `t` in `lately` (the least recent first), each moved to the end
     unless it was used later than `t` already (a use heard late, from an engine's history)."""
@@ -255,11 +301,8 @@ class CacheView:
         # The last full block of each prompt those requests sent, the least recent first: a
         # prompt holding one extends an earlier request's (`continues`).
         self._tails: collections.OrderedDict[int, float] = collections.OrderedDict()
-        # The last full block of each of those prompts that extended none (a chat's first turn
-        # or a one-off prompt), the least recent first, and those a later prompt extended:
-        # how often such a prompt was continued lately (`continuation_rate`).
-        self._openers: collections.OrderedDict[int, float] = collections.OrderedDict()
-        self._continued: set[int] = set()
+        # Those of these prompts that extended none, and which a later one did (`continuation_rate`).
+        self._openers = Openers()
 
     def set_engines(self, engines: Sequence[EngineRef]) -> None:
         """Follow these engines (from the next `sync` on the event loop); forget the rest.
@@ -397,14 +440,20 @@ class CacheView:
         tails = self._tails
         return any(k in tails for k in prompt.for_engine(ref)[1][:-1])
 
-    def continuation_rate(self) -> float:
+    def continuation_rate(self, ref: EngineRef | None = None, prompt: PromptKeys | None = None) -> float:
         """How likely a prompt that `continues` nothing is to be continued: of the prompts
-        sent lately (WORKING_SET_S) that extended none, the share a later prompt extended, one
+        sent lately (WORKING_SET_S) that extended none and began with this prompt's first
+        block (any first block without a prompt), the share a later prompt extended, one
         more counted as not (none seen: 0). A chat's first turn looks like a one-off prompt
-        after a shared prefix; only the traffic that follows tells them apart. Turns not yet
-        followed by their next count as not continued, so the rate errs low, towards the
-        one-off prompt, by the pause between turns over WORKING_SET_S."""
-        return len(self._continued) / (len(self._openers) + 1)
+        after a shared prefix; only the traffic that follows tells them apart, and traffic
+        after one system prompt (a chat application) from traffic after another (one-off
+        requests of an API). Turns not yet followed by their next count as not continued, so
+        the rate errs low, towards the one-off prompt, by the pause between turns over
+        WORKING_SET_S."""
+        if prompt is None or ref is None:
+            return self._openers.rate()
+        keys = prompt.for_engine(ref)[1]
+        return self._openers.rate(keys[0]) if keys else 0.0
 
     def spare_tokens(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
         """Tokens of engine `ref`'s prefix cache left over by what traffic sent there reuses,
@@ -476,19 +525,19 @@ class CacheView:
         `SEEN_MAX` forgets a prompt's last blocks first and a reused run stays a run. A prompt
         that extends none is an opener, continued once a later one holds its last block."""
         extended = [k for k in use.keys[:-1] if k in self._tails]
-        self._continued.update(k for k in extended if k in self._openers)
-        if use.keys and not extended and use.keys[-1] not in self._openers:
-            self._openers[use.keys[-1]] = t
+        for k in extended:
+            self._openers.extend(k)
+        if use.keys and not extended:
+            self._openers.open(use.keys[-1], use.keys[0], t)
         _touch(self._seen, use.keys[::-1], t)
         _touch(self._tails, use.keys[-1:], t)
 
     def _forget(self, now: float) -> None:
         """Drop the uses older than WORKING_SET_S, and the least recent past SEEN_MAX."""
-        for lately in (self._seen, self._tails, self._openers):
+        for lately in (self._seen, self._tails):
             while lately and (len(lately) > SEEN_MAX or next(iter(lately.values())) < now - WORKING_SET_S):
-                k, _ = lately.popitem(last=False)
-                if lately is self._openers:
-                    self._continued.discard(k)
+                lately.popitem(last=False)
+        self._openers.forget(now - WORKING_SET_S, SEEN_MAX)
 
     def seen(self, engine_id: str) -> EngineCache | None:
         """What the router last heard from the engine (its load included), if anything."""

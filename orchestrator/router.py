@@ -352,8 +352,9 @@ class RouterStats(msgspec.Struct):
     # learned them (orchestrator.speed), once it answered routing.prefill_speed_samples prefills.
     prefill_seconds_per_token: dict[str, float] = {}
     prefill_fixed_seconds: dict[str, float] = {}
-    # Under conditional disaggregation, the odds it last priced a first turn's stranded history
-    # at (CacheView.continuation_rate); None until it decided a request with a cache view.
+    # Under conditional disaggregation, of the prompts that extended none lately, the share
+    # continued (CacheView.continuation_rate, over every first block); None until it decided
+    # a request with a cache view.
     continuation_rate: float | None = None
 
 
@@ -650,15 +651,15 @@ class Router:
         `at_risk_tokens`): the prompt tokens it would leave there alone (no prefill replica
         holds them, nor loads them from the tier), at `evict_cost`, times the odds that a next
         turn reuses them: 1 for a conversation's turn (CacheView.continues), and for a prompt
-        that extends none (a first turn, or a one-off prompt) how often such prompts were
-        continued lately (CacheView.continuation_rate); when `decode` keeps no copy in the CPU
+        that extends none (a first turn, or a one-off prompt) how often such prompts with its
+        first block were continued lately (CacheView.continuation_rate); when `decode` keeps no copy in the CPU
         tier and its cache has less to spare beyond what traffic reuses there than the
         roomiest prefill replica's (CacheView.spare_tokens): the cache all traffic passes
         through evicts such a history first. 0 otherwise, or when a capacity is unknown."""
         assert self.cache is not None
         if (decode.saves_tier and decode.loads_tier) or not facts:
             return 0.0
-        odds = 1.0 if self.cache.continues(decode, prompt) else self.cache.continuation_rate()
+        odds = 1.0 if self.cache.continues(decode, prompt) else self.cache.continuation_rate(decode, prompt)
         if not odds:
             return 0.0
         held = max(f.cached_tokens + f.loaded_tokens for f in facts)

@@ -1260,9 +1260,10 @@ def test_conditional_learns_that_first_turns_open_chats() -> None:
 
 def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """Of the prompts sent lately that extended none, the share a later prompt extended (one
-    more counted as not): a repeat or a sibling after the same prefix is no continuation, a
-    later turn's own continuation not a first turn's, and what is older than WORKING_SET_S is
-    forgotten."""
+    more counted as not), by their first block: a repeat or a sibling after the same prefix
+    is no continuation, a later turn's own continuation not a first turn's, one-off prompts
+    after another system prompt leave the odds after this one as they were, and what is
+    older than WORKING_SET_S is forgotten."""
     from orchestrator import cache_view
     from orchestrator.cache_view import CacheView
 
@@ -1285,9 +1286,16 @@ def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: py
     assert view.continuation_rate() == pytest.approx(1 / 3)
     send(second + [4] * BLOCK)  # a third turn continues the second, not an opener
     assert view.continuation_rate() == pytest.approx(1 / 3)
+    other_system = list(range(50_000, 50_000 + 4 * BLOCK))
+    for i in range(4):
+        send(other_system + [10 + i] * BLOCK)
+    assert view.continuation_rate(a, view.prompt(shared + [9] * BLOCK)) == pytest.approx(1 / 3)
+    assert view.continuation_rate(a, view.prompt(other_system + [9] * BLOCK)) == 0.0
+    assert view.continuation_rate(a, view.prompt([9] * (BLOCK - 1))) == 0.0  # no full block
+    assert view.continuation_rate() == pytest.approx(1 / 7)  # over every first block: 1 of 6 openers
     later = time.monotonic() + cache_view.WORKING_SET_S + 1
     page = TandemMetrics("app").render([], {}, router=RouterStats(continuation_rate=view.continuation_rate())).decode()
-    assert f'tandem_continuation_rate{{app="app"}} {1 / 3}' in page
+    assert f'tandem_continuation_rate{{app="app"}} {1 / 7}' in page
     monkeypatch.setattr(cache_view.time, "monotonic", lambda: later)
     send(shared + [5] * BLOCK)
     assert view.continuation_rate() == 0.0  # the earlier openers forgotten: one new, not continued
