@@ -1148,10 +1148,13 @@ class PdLruEngine(LruEngine):
 
 def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
                 retokenized: bool = False, routers: int = 1, joining: int = 0,
-                echo_history: bool = True, seed: int = 0, staggered: bool = False) -> tuple[list[int], int]:
-    """Chats after one system prompt, turn by turn in a new order each turn (`staggered`: a
-    chat opening every other request while earlier ones go on, a turn every fourth), one request at a
-    time, through kv_aware on 2 prefill engines of 390 blocks and a decode engine of
+                echo_history: bool = True, seed: int = 0, staggered: bool = False,
+                one_offs: list[str] | None = None) -> tuple[list[int], int]:
+    """Chats after one system prompt, turn by turn in a new order each turn (`staggered`:
+    chat c's turn t at step 2t + c, as `tandem bench --chat-order staggered` sends them; with
+    `one_offs`, each turn followed by a one-off question after another system prompt, which
+    the prefill engines hold from the start, its decision going to that list), one request
+    at a time, through kv_aware on 2 prefill engines of 390 blocks and a decode engine of
     `decode_blocks` (a turn: 2-6 blocks from the user, a 2-block reply; 16 chats' histories
     reach about 580 blocks). `retokenized`: the next turn carries the reply as other tokens
     than the engine generated (a client sending text through a chat template), so the
@@ -1176,6 +1179,10 @@ def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
         ingress = [router() for _ in range(1 if joining else routers)]
         histories = [list(range(1000, 1000 + 8 * BLOCK)) for _ in range(chats)]
         computed, local = [], 0
+        other_system = list(range(40_000, 40_000 + 8 * BLOCK))
+        if one_offs is not None:
+            for e in prefill:
+                e.store([as_key(h) for h in e.hasher.hashes(other_system)])
 
         def order() -> Iterator[tuple[int, int]]:
             if staggered:
@@ -1203,6 +1210,14 @@ def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
             histories[c] += reply
             computed.append(sum(e.computed for e in engines) - before)
             local += trace.disaggregation == "local"
+            if one_offs is not None:
+                question = other_system + [rng.randrange(2000, 30000) for _ in range(3 * BLOCK)]
+                PdLruEngine.history = question + reply
+                trace = RequestTrace()
+                async for _ in ingress[0].generate(EngineRequest(f"q{len(one_offs)}", question, SamplingParams(max_tokens=2)), trace):
+                    pass
+                await asyncio.sleep(0.005)
+                one_offs.append(str(trace.disaggregation))
         for router in ingress:
             await router.close()
         return computed, local
@@ -1251,11 +1266,17 @@ def test_conditional_learns_that_first_turns_open_chats() -> None:
     stranding at those odds: after the first few chats every first turn goes remote as later
     turns do (4 local prefills in all against 17 when its odds were taken as 0, 0.99-1.03x
     always's tokens against 1.05-1.10x), while one-off questions, never continued, keep
-    their local path (the replay above)."""
+    their local path (the replay above, and below between the chats' turns)."""
     for seed in (0, 1, 2):
         always, _ = replay_2p1d("always", 16, 6, 390, seed=seed, staggered=True)
         homed, local = replay_2p1d("conditional", 16, 6, 390, seed=seed, staggered=True)
         assert local <= 6 and sum(homed) <= 1.05 * sum(always), (seed, local, sum(homed), sum(always))
+    # One-off questions after another system prompt, which the prefill replicas hold, between
+    # the turns: they keep their local path, as the odds are counted by first block (counted
+    # over all, 95 of the 96 went remote), and the chats keep theirs.
+    questions: list[str] = []
+    _, local = replay_2p1d("conditional", 16, 6, 390, staggered=True, one_offs=questions)
+    assert local <= 6 and len(questions) == 96 and questions.count("local") >= 90, (local, collections.Counter(questions))
 
 
 def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: pytest.MonkeyPatch) -> None:
