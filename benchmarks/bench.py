@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "token ids it streamed, each turn sent once the one before has ended (default %(default)s)")
     p.add_argument("--chat-order", choices=["turns", "staggered"], default=d.chat_order,
                    help="conversation: every chat's first turn, then every second turn, ... (turns), or chats opening one "
-                        "after another, a new one each two turns of the earlier ones (staggered; default %(default)s)")
+                        "after another among the earlier ones' turns, chat c's turn t at step 2t + c (staggered; default %(default)s)")
     p.add_argument("--duration", type=float, default=d.duration_s, dest="duration_s", help="stop sending this many seconds into a run (default %(default)s)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, dest="request_timeout_s", help="seconds (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)

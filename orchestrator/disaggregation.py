@@ -46,9 +46,10 @@ a conversation's turn, on a decode engine that keeps no copy in the CPU tier and
 spare than the roomiest prefill replica): the turn then goes remote, where kv_aware homes it
 on the prefill pool. A chat's first turn extends no earlier prompt, as a one-off question
 after a shared system prompt does, so its loss is counted at the odds that such prompts (with
-its first block) were continued lately (CacheView.continuation_rate): where chats open among other chats' turns
-their first turns go remote too, and one-off questions, never continued, keep the local path
-(docs/bench-results.md, run 172). Counted on /metrics by decision and reason.
+its first block) were continued lately (CacheView.continuation_rate): where chats open among
+other chats' turns their first turns go remote too, and one-off questions, never continued,
+keep the local path (docs/bench-results.md, runs 172-173). Counted on /metrics by decision
+and reason.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
     continuation = GaugeMetricFamily(
         "tandem_continuation_rate",
         "Of the prompts seen lately that extended no earlier one (a chat's first turn, a one-off question), the share a "
-        "later prompt extended: the odds conditional disaggregation prices a first turn's stranded history at",
+        "later prompt extended, over every first block (conditional disaggregation prices a first turn's stranded "
+        "history at the share among those with its own first block)",
         labels=["app"],
     )
     if stats.continuation_rate is not None:

@@ -652,10 +652,11 @@ class Router:
         holds them, nor loads them from the tier), at `evict_cost`, times the odds that a next
         turn reuses them: 1 for a conversation's turn (CacheView.continues), and for a prompt
         that extends none (a first turn, or a one-off prompt) how often such prompts with its
-        first block were continued lately (CacheView.continuation_rate); when `decode` keeps no copy in the CPU
-        tier and its cache has less to spare beyond what traffic reuses there than the
-        roomiest prefill replica's (CacheView.spare_tokens): the cache all traffic passes
-        through evicts such a history first. 0 otherwise, or when a capacity is unknown."""
+        first block were continued lately (CacheView.continuation_rate); when `decode` keeps
+        no copy in the CPU tier and its cache has less to spare beyond what traffic reuses
+        there than the roomiest prefill replica's (CacheView.spare_tokens): the cache all
+        traffic passes through evicts such a history first. 0 otherwise, or when a capacity
+        is unknown."""
         assert self.cache is not None
         if (decode.saves_tier and decode.loads_tier) or not facts:
             return 0.0
