@@ -50,6 +50,10 @@ EXPECT_TTL_S = 5.0
 # turns, short enough that prefixes nobody came back to (vLLM evicts those first, at no cost)
 # do not count.
 WORKING_SET_S = 120.0
+# How long a prompt that extended none waits for its continuation before it counts as not
+# continued, until some continuation has been seen (then the longest wait seen lately is the
+# mark): a user's pause between two turns of a chat.
+CONTINUATION_WAIT_S = 30.0
 # The most block keys a router remembers as used lately, to tell a reuse from a first use
 # (about 33 MB; a router seeing more distinct blocks than this in WORKING_SET_S forgets the
 # oldest first uses, and their reuses count from the next one).
@@ -192,40 +196,74 @@ class Openers:
     """Prompts that extended no earlier one (a chat's first turn, a one-off question), by
     their last full block, the least recent first, and which of them a later prompt
     extended; counted by their first block (a system prompt's, say), so that traffic after
-    one prefix keeps odds of its own."""
+    one prefix keeps odds of its own. One not extended counts as missed only once it is older
+    than the longest wait seen lately between an opener and its continuation
+    (CONTINUATION_WAIT_S while none was seen): a first turn whose user is still typing is no
+    evidence that such prompts are one-offs. Missed and then extended, it counts as continued."""
 
     def __init__(self) -> None:
         self.since: collections.OrderedDict[int, tuple[float, int]] = collections.OrderedDict()  # last -> (t, first)
-        self.extended: set[int] = set()
-        self.opened: collections.Counter[int] = collections.Counter()  # first block -> openers
-        self.continued: collections.Counter[int] = collections.Counter()  # first block -> those extended
+        # Openers neither extended nor missed yet, the least recent first.
+        self.pending: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.gaps: dict[int, float] = {}  # extended opener -> how long after it the extension came
+        self.missed: set[int] = set()
+        self.continued: collections.Counter[int] = collections.Counter()  # first block -> openers extended
+        self.missed_by: collections.Counter[int] = collections.Counter()  # first block -> openers missed
+        self.longest = 0.0  # the longest of `gaps`
 
     def open(self, last: int, first: int, t: float) -> None:
         if last not in self.since:
             self.since[last] = (t, first)
-            self.opened[first] += 1
+            self.pending[last] = None
 
-    def extend(self, last: int) -> None:
-        """A later prompt holds this block: the opener ending in it, if any, was continued."""
-        if last in self.since and last not in self.extended:
-            self.extended.add(last)
-            self.continued[self.since[last][1]] += 1
+    def extend(self, last: int, t: float) -> None:
+        """A prompt sent at `t` holds this block: the opener ending in it, if any, was continued."""
+        if last not in self.since or last in self.gaps:
+            return
+        opened, first = self.since[last]
+        self.gaps[last] = gap = max(0.0, t - opened)
+        self.longest = max(self.longest, gap)
+        self.continued[first] += 1
+        if last in self.missed:
+            self.missed.discard(last)
+            _drop(self.missed_by, first)
+        else:
+            del self.pending[last]
 
     def forget(self, before: float, keep: int) -> None:
         """Drop the openers sent before `before`, and the least recent past `keep`."""
         since = self.since
         while since and (len(since) > keep or next(iter(since.values()))[0] < before):
             last, (_, first) = since.popitem(last=False)
-            _drop(self.opened, first)
-            if last in self.extended:
-                self.extended.discard(last)
+            self.pending.pop(last, None)
+            if last in self.missed:
+                self.missed.discard(last)
+                _drop(self.missed_by, first)
+            gap = self.gaps.pop(last, None)
+            if gap is not None:
                 _drop(self.continued, first)
+                if gap >= self.longest:
+                    self.longest = max(self.gaps.values(), default=0.0)
 
-    def rate(self, first: int | None = None) -> float:
-        """The share extended, one more counted as not: of those after block `first`, or all."""
+    def settle(self, now: float) -> None:
+        """Count as missed the openers not extended that are older than the longest wait
+        seen lately (CONTINUATION_WAIT_S while none was seen)."""
+        wait = self.longest if self.gaps else CONTINUATION_WAIT_S
+        pending = self.pending
+        while pending and self.since[next(iter(pending))][0] < now - wait:
+            last, _ = pending.popitem(last=False)
+            self.missed.add(last)
+            self.missed_by[self.since[last][1]] += 1
+
+    def rate(self, now: float, first: int | None = None) -> float:
+        """The odds that an opener (after block `first`, or any) is extended: the share of
+        those extended or missed by `now` that were extended; 1 while none is either."""
+        self.settle(now)
         if first is None:
-            return len(self.extended) / (len(self.since) + 1)
-        return self.continued[first] / (self.opened[first] + 1)
+            extended, missed = len(self.gaps), len(self.missed)
+        else:
+            extended, missed = self.continued[first], self.missed_by[first]
+        return extended / (extended + missed) if extended + missed else 1.0
 
 
 def _drop(counts: collections.Counter[int], key: int) -> None:
@@ -443,17 +481,28 @@ class CacheView:
     def continuation_rate(self, ref: EngineRef | None = None, prompt: PromptKeys | None = None) -> float:
         """How likely a prompt that `continues` nothing is to be continued: of the prompts
         sent lately (WORKING_SET_S) that extended none and began with this prompt's first
-        block (any first block without a prompt), the share a later prompt extended, one
-        more counted as not (none seen: 0). A chat's first turn looks like a one-off prompt
-        after a shared prefix; only the traffic that follows tells them apart, and traffic
-        after one system prompt (a chat application) from traffic after another (one-off
-        requests of an API). Turns not yet followed by their next count as not continued, so
-        the rate errs low, towards the one-off prompt, by the pause between turns over
-        WORKING_SET_S."""
+        block (any first block without a prompt), those a later prompt extended over those
+        extended or given up on (Openers: older than the longest pause seen before a
+        continuation); 1 before any is either, 0 for a prompt without a full block. A chat's first turn looks like a one-off prompt after a shared
+        prefix; only the traffic that follows tells them apart, and traffic after one system
+        prompt (a chat application) from traffic after another (one-off requests of an API).
+        Until it does, a first turn is priced as the turn of a chat it may be: stranding a
+        chat's history costs its next turn the history, a remote prefill of a one-off prompt
+        only the hop."""
+        now = time.monotonic()
         if prompt is None or ref is None:
-            return self._openers.rate()
+            return self._openers.rate(now)
         keys = prompt.for_engine(ref)[1]
-        return self._openers.rate(keys[0]) if keys else 0.0
+        return self._openers.rate(now, keys[0]) if keys else 0.0
+
+    def continuations(self, ref: EngineRef, prompt: PromptKeys) -> tuple[int, int]:
+        """Of the openers lately with this prompt's first block: how many were extended, and
+        how many given up on (`continuation_rate`'s counts; (0, 0) without a full block)."""
+        keys = prompt.for_engine(ref)[1]
+        if not keys:
+            return 0, 0
+        self._openers.settle(time.monotonic())
+        return self._openers.continued[keys[0]], self._openers.missed_by[keys[0]]
 
     def spare_tokens(self, ref: EngineRef, prompt: PromptKeys) -> int | None:
         """Tokens of engine `ref`'s prefix cache left over by what traffic sent there reuses,
@@ -526,7 +575,7 @@ class CacheView:
         that extends none is an opener, continued once a later one holds its last block."""
         extended = [k for k in use.keys[:-1] if k in self._tails]
         for k in extended:
-            self._openers.extend(k)
+            self._openers.extend(k, t)
         if use.keys and not extended:
             self._openers.open(use.keys[-1], use.keys[0], t)
         _touch(self._seen, use.keys[::-1], t)

@@ -42,14 +42,15 @@ through the decode engine's cache, a prefill replica's only that of the requests
 so with caches alike the decode engine's turns over first and a history homed there is the
 one lost, its next turn computing it whole (docs/bench-results.md, routing runs 44-47). So
 the router counts such a loss as `at_risk_tokens` on the local side (Router._stranded_tokens:
-a conversation's turn, on a decode engine that keeps no copy in the CPU tier and has less to
-spare than the roomiest prefill replica): the turn then goes remote, where kv_aware homes it
-on the prefill pool. A chat's first turn extends no earlier prompt, as a one-off question
-after a shared system prompt does, so its loss is counted at the odds that such prompts (with
-its first block) were continued lately (CacheView.continuation_rate): where chats open among
-other chats' turns their first turns go remote too, and one-off questions, never continued,
-keep the local path (docs/bench-results.md, runs 172-173). Counted on /metrics by decision
-and reason.
+a conversation's turn, on a decode engine that keeps no copy in the CPU tier and has no
+more to spare than the roomiest prefill replica): the turn then goes remote, where kv_aware
+homes it on the prefill pool. A chat's first turn extends no earlier prompt, as a one-off
+question after a shared system prompt does, so its loss is counted at the odds that such
+prompts (with its first block) were continued lately (CacheView.continuation_rate), 1 until
+the router has seen one continued or waited a chat's pause in vain: first turns go remote as
+later turns do, and one-off questions, never continued, keep the local path once they are
+known for it (docs/bench-results.md, runs 172-174). Counted on /metrics by decision and
+reason.
 """
 
 from __future__ import annotations

@@ -652,11 +652,11 @@ class Router:
         holds them, nor loads them from the tier), at `evict_cost`, times the odds that a next
         turn reuses them: 1 for a conversation's turn (CacheView.continues), and for a prompt
         that extends none (a first turn, or a one-off prompt) how often such prompts with its
-        first block were continued lately (CacheView.continuation_rate); when `decode` keeps
-        no copy in the CPU tier and its cache has less to spare beyond what traffic reuses
-        there than the roomiest prefill replica's (CacheView.spare_tokens): the cache all
-        traffic passes through evicts such a history first. 0 otherwise, or when a capacity
-        is unknown."""
+        first block were continued lately (CacheView.continuation_rate, 1 until it knows);
+        when `decode` keeps no copy in the CPU tier and its cache has no more to spare beyond
+        what traffic reuses there than the roomiest prefill replica's (CacheView.spare_tokens):
+        the cache all traffic passes through evicts such a history first, as it does at a tie
+        (engines alike, at start). 0 otherwise, or when a capacity is unknown."""
         assert self.cache is not None
         if (decode.saves_tier and decode.loads_tier) or not facts:
             return 0.0
@@ -666,7 +666,7 @@ class Router:
         held = max(f.cached_tokens + f.loaded_tokens for f in facts)
         spare = self.cache.spare_tokens(decode, prompt)
         others = [self.cache.spare_tokens(e, prompt) for e in candidates]
-        if spare is None or None in others or spare >= max(t for t in others if t is not None):
+        if spare is None or None in others or spare > max(t for t in others if t is not None):
             return 0.0
         return odds * self.routing.evict_cost * (len(prompt.token_ids) - held)
 

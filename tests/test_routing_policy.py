@@ -1276,7 +1276,7 @@ def test_conditional_learns_that_first_turns_open_chats() -> None:
     # over all, 95 of the 96 went remote), and the chats keep theirs.
     questions: list[str] = []
     _, local = replay_2p1d("conditional", 16, 6, 390, staggered=True, one_offs=questions)
-    assert local <= 6 and len(questions) == 96 and questions.count("local") >= 90, (local, collections.Counter(questions))
+    assert local <= 6 and len(questions) == 96 and questions.count("local") >= 90, (local, Counter(questions))
 
 
 def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: pytest.MonkeyPatch) -> None:
