@@ -301,7 +301,8 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
     cfg = pd.deployment.cfg
     routing = msgspec.structs.replace(cfg.routing, local_prefill_max_tokens=4096)
 
-    odds: list[float] = []  # each router's odds that a prompt with B's first block goes on, after the turns
+    # Each router's openers after B's first block, after the turns: (continued, given up on).
+    odds: list[tuple[int, int]] = []
 
     def turns(seed: int, no_tier: bool) -> tuple[list[str], dict[str, int]]:
         engines = [msgspec.structs.replace(e, saves_tier=False) if e.role == "decode" and no_tier else e
@@ -336,15 +337,16 @@ def test_without_the_tier_a_second_chat_is_not_homed_where_the_first_crowds_the_
 
         decisions = asyncio.run(asyncio.wait_for(go(), timeout=120))
         decode = next(e for e in engines if e.role == "decode")
-        odds[:] = [r.cache.continuation_rate(decode, r.cache.prompt(b1)) for r in routers if r.cache is not None]
+        odds[:] = [r.cache.continuations(decode, r.cache.prompt(b1)) for r in routers if r.cache is not None]
         return decisions, dict(sum((collections.Counter(r.stats.decisions) for r in routers), collections.Counter()))
 
     decisions, counted = turns(600, no_tier=True)
     assert decisions == ["local", "local", "local", "remote"], (decisions, counted)
     # The third router, which sent only C's second turn, heard B's turns from the engines:
-    # B's first went on (1 of 1 after its first block, one more counted as not). Other
-    # tests' prompts of the last WORKING_SET_S, heard too, begin with other blocks.
-    assert odds == [0.5, 0.5, 0.5], odds
+    # B's first went on (one opener after its first block, continued; a router that heard
+    # nothing would count none). Other tests' prompts of the last WORKING_SET_S, heard too,
+    # begin with other blocks.
+    assert odds == [(1, 0)] * 3, odds
     assert counted.get("remote:stranded_history") == 1, counted
     decisions, counted = turns(620, no_tier=False)
     assert decisions == ["local"] * 4, (decisions, counted)

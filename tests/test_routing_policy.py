@@ -1225,36 +1225,46 @@ def replay_2p1d(disaggregation: str, chats: int, turns: int, decode_blocks: int,
     return asyncio.run(asyncio.wait_for(run(), timeout=120))
 
 
-def test_conditional_homes_conversations_where_their_histories_are_kept() -> None:
+def test_conditional_homes_conversations_where_their_histories_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CPU tier, 16 chats of 6 turns whose histories fit in the two prefill engines'
     caches together but not in the decode engine's alike one. Before, every turn was
     prefilled on the decode engine (nothing queued, and it held the history), and from turn 5
     its cache evicted histories that the next turns computed whole: 1.34x the tokens always
     disaggregating computes, the worst turn 1.8x its worst. Now a conversation goes remote
-    from its second turn, where the decode engine's cache, which every request passes
-    through, has less room than a prefill engine's, and stays with the prefill pool. With a
-    decode cache four times larger every turn stays local, and one-off questions after a
-    shared prompt stay local either way. A client that sends the replies back as other tokens
+    where the decode engine's cache, which every request passes through, has no more room
+    than a prefill engine's, and stays with the prefill pool. With a decode cache four times
+    larger every turn stays local. A client that sends the replies back as other tokens
     leaves the decode engine no longer a history than a prefill engine's after a remote turn:
     the turn after it still goes remote (it continues an earlier request), where before it
     went local and the next one moved it back, computing that turn twice (1.29x always).
-    One routing choice that differs early changes every later one, so the comparison runs on
-    three workloads (seeds): conditional computed 1.01-1.06x always's tokens, its worst turn
-    0.98-1.20x always's (the first turns it keeps local are computed again by the prefill
-    engine that the second turn goes to)."""
+
+    The 16 first turns come before any second one, each extending no earlier prompt, as a
+    one-off question does. They were kept local while the caches were alike (a tie counted as
+    room to spare) and the router counted openers not yet continued as one-offs (odds 0):
+    17 local prefills, and each chat's second turn computed its first message again on a
+    prefill replica (1.01-1.06x always's tokens over three seeds, the worst turn up to 1.20x
+    always's). Now a tie counts as the decode engine evicting first, and a prompt extending
+    none is priced as a chat's first turn until the router has seen such prompts continued
+    or waited for them in vain (CONTINUATION_WAIT_S): none local, always's tokens. One-off
+    questions after a shared prompt go remote too while the router knows nothing, and stay
+    local once it has waited for their continuation."""
+    from orchestrator import cache_view
+
     for seed in (2, 1, 0):
         always, none_local = replay_2p1d("always", 16, 6, 390, seed=seed)
         assert none_local == 0
-        homed, _ = replay_2p1d("conditional", 16, 6, 390, seed=seed)
-        assert sum(homed) <= 1.08 * sum(always) and max(homed) <= 1.25 * max(always), (
-            seed, sum(homed), sum(always), max(homed), max(always))
+        homed, local = replay_2p1d("conditional", 16, 6, 390, seed=seed)
+        assert local == 0 and sum(homed) <= 1.02 * sum(always) and max(homed) <= 1.02 * max(always), (
+            seed, local, sum(homed), sum(always), max(homed), max(always))
     homed, _ = replay_2p1d("conditional", 16, 6, 390, retokenized=True)
-    assert sum(homed) <= 1.08 * sum(always), (sum(homed), sum(always))
+    assert sum(homed) <= 1.02 * sum(always), (sum(homed), sum(always))
     roomy, local = replay_2p1d("conditional", 16, 6, 1600)
     assert local == 96 and sum(roomy) < 0.75 * sum(always), (local, sum(roomy), sum(always))
     _, local = replay_2p1d("conditional", 48, 1, 390)
-    assert local == 48
-
+    assert local == 0  # within CONTINUATION_WAIT_S of the first: any may be a chat's first turn
+    monkeypatch.setattr(cache_view, "CONTINUATION_WAIT_S", 0.0)
+    _, local = replay_2p1d("conditional", 48, 1, 390)
+    assert local == 47  # all but the first, once the ones before it went without a next turn
 
 
 def test_conditional_learns_that_first_turns_open_chats() -> None:
@@ -1263,63 +1273,101 @@ def test_conditional_learns_that_first_turns_open_chats() -> None:
     second turn computes the first message again on a prefill replica. With chats opening
     while others go on (as a service's chats do, not all at once as in the replay above), the
     router sees how often such prompts were continued lately and prices a first turn's
-    stranding at those odds: after the first few chats every first turn goes remote as later
-    turns do (4 local prefills in all against 17 when its odds were taken as 0, 0.99-1.03x
-    always's tokens against 1.05-1.10x), while one-off questions, never continued, keep
-    their local path (the replay above, and below between the chats' turns)."""
+    stranding at those odds: every first turn goes remote as later turns do (none local;
+    17 when its odds were taken as 0, 4 when the openers not yet continued counted as
+    one-offs; 0.97-1.00x always's tokens, against 1.05-1.10x and 0.99-1.03x), while one-off
+    questions, never continued, keep their local path once the router has waited for their
+    next turns in vain (the replay above, and below between the chats' turns)."""
     for seed in (0, 1, 2):
         always, _ = replay_2p1d("always", 16, 6, 390, seed=seed, staggered=True)
         homed, local = replay_2p1d("conditional", 16, 6, 390, seed=seed, staggered=True)
-        assert local <= 6 and sum(homed) <= 1.05 * sum(always), (seed, local, sum(homed), sum(always))
+        assert local <= 2 and sum(homed) <= 1.02 * sum(always), (seed, local, sum(homed), sum(always))
     # One-off questions after another system prompt, which the prefill replicas hold, between
     # the turns: they keep their local path, as the odds are counted by first block (counted
-    # over all, 95 of the 96 went remote), and the chats keep theirs.
+    # over all, 95 of the 96 went remote), and the chats keep theirs. The first few go remote,
+    # before the router has seen how long a chat pauses between turns.
     questions: list[str] = []
     _, local = replay_2p1d("conditional", 16, 6, 390, staggered=True, one_offs=questions)
-    assert local <= 6 and len(questions) == 96 and questions.count("local") >= 90, (local, Counter(questions))
+    assert local <= 2 and len(questions) == 96 and questions.count("local") >= 90, (local, Counter(questions))
 
 
 def test_the_continuation_rate_counts_prompts_that_extended_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Of the prompts sent lately that extended none, the share a later prompt extended (one
-    more counted as not), by their first block: a repeat or a sibling after the same prefix
-    is no continuation, a later turn's own continuation not a first turn's, one-off prompts
-    after another system prompt leave the odds after this one as they were, and what is
-    older than WORKING_SET_S is forgotten."""
+    """Of the prompts sent lately that extended none, the share a later prompt extended, of
+    those extended or given up on (older than CONTINUATION_WAIT_S before any continuation
+    was seen, then than the longest pause seen), by their first block; 1 while none is
+    either: a repeat or a sibling after the same prefix is no continuation, a later turn's own
+    continuation not a first turn's, an opener given up on and then continued counts as
+    continued, one-off prompts after another system prompt leave the odds after this one as
+    they were, and what is older than WORKING_SET_S is forgotten."""
     from orchestrator import cache_view
     from orchestrator.cache_view import CacheView
 
+    clock = [time.monotonic()]
+    monkeypatch.setattr(cache_view.time, "monotonic", lambda: clock[0])
     view = CacheView()
     a = EngineRef("a", "prefill", None, "i0", BLOCK, "sha256", SEED, num_blocks=100)
     view.set_engines([a])
     shared = list(range(1000, 1000 + 4 * BLOCK))
+    other_system = list(range(50_000, 50_000 + 4 * BLOCK))
 
     def send(tokens: list[int]) -> None:
         view.expect(a, view.prompt(tokens))
 
-    assert view.continuation_rate() == 0.0
+    def after(prefix: list[int]) -> tuple[float, tuple[int, int]]:
+        p = view.prompt(prefix + [9] * BLOCK)
+        return view.continuation_rate(a, p), view.continuations(a, p)
+
+    assert view.continuation_rate() == 1.0  # nothing known
     first, other = shared + [1] * BLOCK, shared + [2] * BLOCK
     send(first)
     send(other)  # a sibling: extends the shared prefix, no earlier prompt's last block
     send(first)  # a repeat
-    assert view.continuation_rate() == 0.0
+    clock[0] += cache_view.CONTINUATION_WAIT_S - 1
+    assert after(shared) == (1.0, (0, 0))  # not given up on yet
+    clock[0] += 2
+    assert after(shared) == (0.0, (0, 2))
     second = first + [3] * BLOCK
-    send(second)
-    assert view.continuation_rate() == pytest.approx(1 / 3)
+    send(second)  # the first turn's next, after a longer pause than the router waited
+    assert after(shared) == (0.5, (1, 1))
     send(second + [4] * BLOCK)  # a third turn continues the second, not an opener
-    assert view.continuation_rate() == pytest.approx(1 / 3)
-    other_system = list(range(50_000, 50_000 + 4 * BLOCK))
+    assert after(shared) == (0.5, (1, 1))
     for i in range(4):
         send(other_system + [10 + i] * BLOCK)
-    assert view.continuation_rate(a, view.prompt(shared + [9] * BLOCK)) == pytest.approx(1 / 3)
-    assert view.continuation_rate(a, view.prompt(other_system + [9] * BLOCK)) == 0.0
+    clock[0] += cache_view.CONTINUATION_WAIT_S  # less than the pause seen (the wait now)
+    assert after(other_system) == (1.0, (0, 0))
+    clock[0] += 2
+    assert after(other_system) == (0.0, (0, 4))
+    assert after(shared) == (0.5, (1, 1))
     assert view.continuation_rate(a, view.prompt([9] * (BLOCK - 1))) == 0.0  # no full block
-    assert view.continuation_rate() == pytest.approx(1 / 7)  # over every first block: 1 of 6 openers
-    later = time.monotonic() + cache_view.WORKING_SET_S + 1
+    assert view.continuation_rate() == pytest.approx(1 / 6)  # over every first block: 1 of 6 openers
     page = TandemMetrics("app").render([], {}, router=RouterStats(continuation_rate=view.continuation_rate())).decode()
-    assert f'tandem_continuation_rate{{app="app"}} {1 / 7}' in page
-    monkeypatch.setattr(cache_view.time, "monotonic", lambda: later)
+    assert f'tandem_continuation_rate{{app="app"}} {1 / 6}' in page
+    clock[0] += cache_view.WORKING_SET_S
     send(shared + [5] * BLOCK)
-    assert view.continuation_rate() == 0.0  # the earlier openers forgotten: one new, not continued
+    assert view.continuation_rate() == 1.0  # the earlier openers forgotten, the new one not given up on
+    clock[0] += cache_view.CONTINUATION_WAIT_S + 1  # the pause seen forgotten with them
+    assert view.continuation_rate() == 0.0
+
+
+def test_an_opener_is_given_up_on_after_the_longest_pause_seen_lately() -> None:
+    """Openers' wait for a continuation follows the traffic: the longest pause between an
+    opener and its next turn among those remembered, shorter again once that one is
+    forgotten (an agent's tool loop answers in seconds, a person in tens of them)."""
+    from orchestrator.cache_view import CONTINUATION_WAIT_S, Openers
+
+    openers = Openers()
+    openers.open(1, 100, t=0.0)
+    assert openers.rate(now=CONTINUATION_WAIT_S - 1) == 1.0  # none known yet
+    openers.extend(1, t=5.0)  # a pause of 5 s
+    openers.open(2, 100, t=6.0)
+    openers.extend(2, t=8.0)  # 2 s
+    openers.open(3, 200, t=9.0)
+    assert openers.rate(now=13.0, first=200) == 1.0  # 4 s old: within the longest pause
+    openers.forget(before=1.0, keep=10)  # the 5 s pause forgotten with opener 1
+    assert openers.rate(now=13.0, first=200) == 0.0 and openers.rate(now=13.0) == 0.5
+    openers.extend(3, t=14.0)  # given up on, then continued after all: counted as continued
+    assert openers.rate(now=14.0, first=200) == 1.0 and openers.rate(now=14.0) == 1.0
+
 
 def test_ingress_replicas_hear_of_each_others_requests_from_the_engines() -> None:
     """The replay above with two ingress replicas, each chat's turns sent by each in turn:
@@ -1332,9 +1380,12 @@ def test_ingress_replicas_hear_of_each_others_requests_from_the_engines() -> Non
 
     A replica that joins later (scaled out, or restarted: a new one) hears from each engine,
     in its first answer, what the requests of the last WORKING_SET_S used there: joining at
-    the fourth turn it routes as if it had been there from the start. Told nothing of before
-    (as until this change), it took its first turns for one-off prompts: 25 local prefills
-    instead of 17 under conditional, 1.11x the tokens, the worst turn 1.8x."""
+    the fourth turn it routes as if it had been there from the start. Told nothing of before,
+    it took its first turns for one-off prompts while it counted openers not yet continued
+    as one-offs (25 local prefills instead of 17 under conditional, 1.11x the tokens, the
+    worst turn 1.8x); now that it prices a prompt as a chat's turn until it knows better, it
+    computes within 2-3% of one router's tokens either way (tests/test_cache_routing.py checks
+    that a late replica hears what went before)."""
     for disaggregation in ("always", "conditional"):  # conditional's `one` stays for the last check
         one, one_local = replay_2p1d(disaggregation, 16, 6, 390)
         for joining in (0, 3):
@@ -1342,7 +1393,7 @@ def test_ingress_replicas_hear_of_each_others_requests_from_the_engines() -> Non
             assert sum(two) <= 1.03 * sum(one) and abs(two_local - one_local) <= 2, (
                 disaggregation, joining, sum(two), sum(one), two_local, one_local)
     blind, blind_local = replay_2p1d("conditional", 16, 6, 390, routers=2, joining=3, echo_history=False)
-    assert sum(blind) > 1.05 * sum(one) and blind_local > one_local + 4, (sum(blind), sum(one), blind_local, one_local)
+    assert sum(blind) <= 1.05 * sum(one) and blind_local <= one_local + 2, (sum(blind), sum(one), blind_local, one_local)
 
 
 def test_routers_follow_only_the_pools_whose_caches_they_look_at() -> None:
