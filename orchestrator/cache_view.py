@@ -483,12 +483,12 @@ class CacheView:
         sent lately (WORKING_SET_S) that extended none and began with this prompt's first
         block (any first block without a prompt), those a later prompt extended over those
         extended or given up on (Openers: older than the longest pause seen before a
-        continuation); 1 before any is either, 0 for a prompt without a full block. A chat's first turn looks like a one-off prompt after a shared
-        prefix; only the traffic that follows tells them apart, and traffic after one system
-        prompt (a chat application) from traffic after another (one-off requests of an API).
-        Until it does, a first turn is priced as the turn of a chat it may be: stranding a
-        chat's history costs its next turn the history, a remote prefill of a one-off prompt
-        only the hop."""
+        continuation); 1 before any is either, 0 for a prompt without a full block. A chat's
+        first turn looks like a one-off prompt after a shared prefix; only the traffic that
+        follows tells them apart, and traffic after one system prompt (a chat application)
+        from traffic after another (one-off requests of an API). Until it does, a first turn
+        is priced as the turn of a chat it may be: stranding a chat's history costs its next
+        turn the history, a remote prefill of a one-off prompt only the hop."""
         now = time.monotonic()
         if prompt is None or ref is None:
             return self._openers.rate(now)
