@@ -103,9 +103,10 @@ def _router_families(app: str, stats: RouterStats) -> Iterable[Metric]:
         decisions.add_metric([app, *key.split(":")], n)
     continuation = GaugeMetricFamily(
         "tandem_continuation_rate",
-        "Of the prompts seen lately that extended no earlier one (a chat's first turn, a one-off question), the share a "
-        "later prompt extended, over every first block (conditional disaggregation prices a first turn's stranded "
-        "history at the share among those with its own first block)",
+        "Of the prompts seen lately that extended no earlier one (a chat's first turn, a one-off question) and were "
+        "either extended by a later prompt or waited for longer than the longest pause seen before one was, the share "
+        "extended, over every first block; 1 while none is either (conditional disaggregation prices a first turn's "
+        "stranded history at the share among those with its own first block)",
         labels=["app"],
     )
     if stats.continuation_rate is not None:
