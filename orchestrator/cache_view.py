@@ -206,7 +206,7 @@ class Openers:
         # Openers neither extended nor missed yet, the least recent first.
         self.pending: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.gaps: dict[int, float] = {}  # extended opener -> how long after it the extension came
-        self.missed: set[int] = set()
+        # The rest of `since` was missed (given up on).
         self.continued: collections.Counter[int] = collections.Counter()  # first block -> openers extended
         self.missed_by: collections.Counter[int] = collections.Counter()  # first block -> openers missed
         self.longest = 0.0  # the longest of `gaps`
@@ -224,26 +224,25 @@ class Openers:
         self.gaps[last] = gap = max(0.0, t - opened)
         self.longest = max(self.longest, gap)
         self.continued[first] += 1
-        if last in self.missed:
-            self.missed.discard(last)
-            _drop(self.missed_by, first)
-        else:
+        if last in self.pending:
             del self.pending[last]
+        else:
+            _drop(self.missed_by, first)
 
     def forget(self, before: float, keep: int) -> None:
         """Drop the openers sent before `before`, and the least recent past `keep`."""
         since = self.since
         while since and (len(since) > keep or next(iter(since.values()))[0] < before):
             last, (_, first) = since.popitem(last=False)
-            self.pending.pop(last, None)
-            if last in self.missed:
-                self.missed.discard(last)
-                _drop(self.missed_by, first)
             gap = self.gaps.pop(last, None)
             if gap is not None:
                 _drop(self.continued, first)
                 if gap >= self.longest:
                     self.longest = max(self.gaps.values(), default=0.0)
+            elif last in self.pending:
+                del self.pending[last]
+            else:
+                _drop(self.missed_by, first)
 
     def settle(self, now: float) -> None:
         """Count as missed the openers not extended that are older than the longest wait
@@ -252,7 +251,6 @@ class Openers:
         pending = self.pending
         while pending and self.since[next(iter(pending))][0] < now - wait:
             last, _ = pending.popitem(last=False)
-            self.missed.add(last)
             self.missed_by[self.since[last][1]] += 1
 
     def rate(self, now: float, first: int | None = None) -> float:
@@ -260,7 +258,7 @@ class Openers:
         those extended or missed by `now` that were extended; 1 while none is either."""
         self.settle(now)
         if first is None:
-            extended, missed = len(self.gaps), len(self.missed)
+            extended, missed = len(self.gaps), len(self.since) - len(self.pending) - len(self.gaps)
         else:
             extended, missed = self.continued[first], self.missed_by[first]
         return extended / (extended + missed) if extended + missed else 1.0
